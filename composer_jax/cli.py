@@ -1,0 +1,45 @@
+"""The ``composer-jax`` command line.
+
+Each room of the house registers its own subcommands (``register(subparsers)`` in its ``cli.py``);
+this file only assembles them and turns a ``ConfigError`` into one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from composer_jax.config import ConfigError
+
+# Modules that define ``register(subparsers)``. Keep heavy imports (jax) inside the handlers so that
+# bad input is reported before anything compiles.
+COMMAND_MODULES = [
+    "composer_jax.model.cli",  # params
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="composer-jax", description=__doc__.splitlines()[0])
+  sub = parser.add_subparsers(dest="command", required=True)
+  for name in COMMAND_MODULES:
+    importlib.import_module(name).register(sub)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  try:
+    rc = args.func(args)
+  except ConfigError as e:
+    print(f"composer-jax: error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("composer-jax: interrupted", file=sys.stderr)
+    return 130
+  return int(rc or 0)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

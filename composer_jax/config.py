@@ -1,0 +1,415 @@
+"""Configuration: one dataclass per section, YAML loading, dotted overrides, validation.
+
+Every behaviour is chosen by a field here, never by a model's name. ``load_config`` turns a YAML
+file plus ``key=value`` overrides into a validated ``Config``; any problem raises ``ConfigError``
+whose message is one line naming the field and the fix (the CLI prints it and exits 2, before JAX
+compiles anything or any data is read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+  """A bad configuration value; the message is one line naming the field and the fix."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+  vocab_size: int = 512
+  d_model: int = 64
+  n_layers: int = 4
+  n_dense_layers: int = 1  # leading layers with a dense MLP (HF: first_k_dense_replace)
+  dense_ffn_dim: int = 160
+  # Multi-head latent attention.
+  n_heads: int = 4
+  q_lora_rank: int = 0  # 0 = direct query projection (no low-rank query)
+  kv_lora_rank: int = 32
+  qk_nope_dim: int = 16
+  qk_rope_dim: int = 8
+  v_head_dim: int = 16
+  # Mixture of experts.
+  n_routed_experts: int = 8
+  n_experts_per_tok: int = 2
+  n_shared_experts: int = 1
+  moe_ffn_dim: int = 48
+  scoring: Literal["sigmoid", "softmax"] = "sigmoid"
+  selection_bias: bool = True  # e_score_correction_bias: used to pick experts, not to weight them
+  n_group: int = 1
+  topk_group: int = 1
+  norm_topk_prob: bool = True
+  routed_scaling_factor: float = 1.0
+  seq_aux_loss_coef: float = 0.0  # optional sequence-wise balance loss (0 = off)
+  bias_update_rate: float = 1e-3  # aux-loss-free balancing step size (0 = frozen bias)
+  gmm_impl: Literal["auto", "xla", "sorted", "pallas", "interpret"] = "auto"
+  gmm_precision: Literal["bf16", "fp8_block", "mxfp8", "nvfp4"] = "bf16"
+  # Positions.
+  max_seq_len: int = 128
+  rope_theta: float = 10000.0
+  yarn_factor: float = 1.0  # 1 = plain RoPE
+  yarn_original_max_position: int = 4096
+  yarn_beta_fast: float = 32.0
+  yarn_beta_slow: float = 1.0
+  yarn_mscale: float = 1.0
+  yarn_mscale_all_dim: float = 0.0
+  rms_eps: float = 1e-6
+  tie_embeddings: bool = False
+  # Multi-token prediction.
+  mtp_depths: int = 0
+  mtp_loss_weight: float = 0.1
+  # Numerics and memory.
+  param_dtype: Literal["float32", "bfloat16"] = "float32"
+  compute_dtype: Literal["float32", "bfloat16"] = "float32"
+  remat: Literal["none", "full", "dots", "dots_no_batch", "moe_only"] = "none"
+  init_std: float = 0.02
+
+  @property
+  def qk_head_dim(self) -> int:
+    return self.qk_nope_dim + self.qk_rope_dim
+
+  @property
+  def n_moe_layers(self) -> int:
+    return self.n_layers - self.n_dense_layers
+
+
+@dataclass
+class MeshConfig:
+  # Mesh axis sizes; -1 = fill with the remaining devices (at most one axis).
+  data: int = -1
+  fsdp: int = 1
+  expert: int = 1
+  tensor: int = 1
+  context: int = 1
+  # Overrides of the logical-axis rule table: {logical_axis: mesh_axis | [mesh_axes] | null}.
+  rules: dict = field(default_factory=dict)
+  # Expert-parallel exchange: ragged/padded all-to-all, or all-gather tokens and reduce-scatter.
+  ep_strategy: Literal["all_to_all", "all_gather"] = "all_to_all"
+  # Multi-host: call jax.distributed.initialize() (coordinator etc. from the environment).
+  distributed: bool = False
+
+
+@dataclass
+class DataConfig:
+  seq_len: int = 128
+  batch_size: int = 8  # global sequences per optimizer step
+  # Sources: "stdlib" (Python source on this machine), or paths to .txt / .jsonl files or dirs.
+  sources: list = field(default_factory=lambda: ["stdlib"])
+  weights: list = field(default_factory=list)  # mixture weights, one per source (empty = equal)
+  text_field: str = "text"
+  heldout_fraction: float = 0.02
+  max_files: int = 4000  # cap on files read from each directory source
+  tokenizer: str = "train"  # "train" = BPE trained on the corpus; or a tokenizer.json / tiktoken path
+  tokenizer_vocab_size: int = 0  # 0 = model.vocab_size
+  sft_path: str = ""  # JSONL chat trajectories for SFT
+  num_workers: int = 0
+  seed: int = 0
+
+
+@dataclass
+class OptimConfig:
+  name: Literal["adamw", "muon"] = "adamw"
+  lr: float = 3e-3
+  min_lr_ratio: float = 0.1
+  schedule: Literal["constant", "cosine", "wsd"] = "cosine"
+  warmup_steps: int = 10
+  decay_fraction: float = 0.2  # WSD: fraction of steps spent decaying
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  clip_norm: float = 1.0
+  muon_momentum: float = 0.95
+  muon_ns_steps: int = 5
+  qk_clip: float = 0.0  # MuonClip threshold on max attention logit (0 = off)
+
+
+@dataclass
+class TrainConfig:
+  steps: int = 50
+  seed: int = 0
+  grad_accum: int = 1
+  z_loss: float = 0.0
+  log_every: int = 1
+  eval_every: int = 0  # 0 = only at the end
+  eval_batches: int = 4
+  progress: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+  every: int = 0  # 0 = only at the end
+  keep: int = 3
+  async_save: bool = True
+
+
+@dataclass
+class RLConfig:
+  group_size: int = 4
+  max_staleness: int = 1
+  max_new_tokens: int = 256
+  temperature: float = 1.0
+  is_clip: float = 2.0  # truncated importance-sampling cap
+  router_replay: bool = True
+  summary_trigger_tokens: int = 0  # self-summarization trigger (0 = off)
+  length_penalty: float = 0.0
+  feedback_kl_coef: float = 0.0
+  num_workers: int = 1
+
+
+@dataclass
+class EnvConfig:
+  sandbox: Literal["auto", "required", "off"] = "auto"
+  timeout_s: float = 30.0
+  memory_mb: int = 4096
+  max_procs: int = 256
+  max_file_mb: int = 256
+  max_output_chars: int = 8000
+  max_turns: int = 30
+
+
+@dataclass
+class EvalConfig:
+  samples: int = 1
+  k: list = field(default_factory=lambda: [1])
+
+
+@dataclass
+class Config:
+  model: ModelConfig = field(default_factory=ModelConfig)
+  mesh: MeshConfig = field(default_factory=MeshConfig)
+  data: DataConfig = field(default_factory=DataConfig)
+  optim: OptimConfig = field(default_factory=OptimConfig)
+  train: TrainConfig = field(default_factory=TrainConfig)
+  checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+  rl: RLConfig = field(default_factory=RLConfig)
+  env: EnvConfig = field(default_factory=EnvConfig)
+  eval: EvalConfig = field(default_factory=EvalConfig)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+  """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
+  origin = typing.get_origin(tp)
+  if origin is Literal:
+    if value not in typing.get_args(tp):
+      raise ConfigError(f"{name}={value!r} is not allowed: choose one of {list(typing.get_args(tp))}")
+    return value
+  if origin in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if value is None:
+      return None
+    return _coerce(value, args[0], name)
+  if tp is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigError(f"{name}={value!r} must be a number")
+    return float(value)
+  if tp is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise ConfigError(f"{name}={value!r} must be an integer")
+    return value
+  if tp is bool:
+    if not isinstance(value, bool):
+      raise ConfigError(f"{name}={value!r} must be true or false")
+    return value
+  if tp is str:
+    if not isinstance(value, str):
+      raise ConfigError(f"{name}={value!r} must be a string")
+    return value
+  if tp is list or origin is list:
+    if isinstance(value, (str, int, float)):
+      value = [value]
+    if not isinstance(value, list):
+      raise ConfigError(f"{name}={value!r} must be a list")
+    return value
+  if tp is dict or origin is dict:
+    if not isinstance(value, dict):
+      raise ConfigError(f"{name}={value!r} must be a mapping")
+    return value
+  return value
+
+
+def _build(cls, data: dict, prefix: str):
+  hints = typing.get_type_hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  for key in data:
+    if key not in names:
+      close = [n for n in names if n.startswith(key[:3])]
+      hint = f" (did you mean {close[0]}?)" if close else ""
+      raise ConfigError(f"{prefix}{key}: unknown key{hint}; remove it or fix its spelling")
+  kwargs = {}
+  for f in dataclasses.fields(cls):
+    if f.name not in data:
+      continue
+    tp = hints[f.name]
+    if dataclasses.is_dataclass(tp):
+      sub = data[f.name] or {}
+      if not isinstance(sub, dict):
+        raise ConfigError(f"{prefix}{f.name} must be a mapping of its fields")
+      kwargs[f.name] = _build(tp, sub, f"{prefix}{f.name}.")
+    else:
+      kwargs[f.name] = _coerce(data[f.name], tp, f"{prefix}{f.name}")
+  return cls(**kwargs)
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+  out = dict(base)
+  for k, v in over.items():
+    if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "rules":
+      out[k] = _deep_merge(out[k], v)
+    else:
+      out[k] = v
+  return out
+
+
+def _read_yaml(path: str, seen: tuple = ()) -> dict:
+  if not os.path.exists(path):
+    raise ConfigError(f"config file {path!r} does not exist: pass a path such as configs/tiny.yaml")
+  if path in seen:
+    raise ConfigError(f"{path}: 'base' includes itself")
+  with open(path) as f:
+    try:
+      data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+      raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+  if not isinstance(data, dict):
+    raise ConfigError(f"{path}: the top level must be a mapping of sections")
+  base = data.pop("base", None)
+  if base:
+    base_path = os.path.join(os.path.dirname(path), base)
+    data = _deep_merge(_read_yaml(base_path, seen + (path,)), data)
+  return data
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+  """Apply ``section.key=value`` strings (values parsed as YAML scalars / lists)."""
+  data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"override {item!r} must look like section.key=value (e.g. model.n_layers=4)")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) < 2:
+      raise ConfigError(f"override {key!r} must name a section and a key, e.g. train.steps=10")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    node = data
+    for p in parts[:-1]:
+      node = node.setdefault(p, {})
+      if not isinstance(node, dict):
+        raise ConfigError(f"override {key!r}: {p} is not a section")
+    node[parts[-1]] = value
+  return data
+
+
+def from_dict(data: dict) -> Config:
+  cfg = _build(Config, data, "")
+  validate(cfg)
+  return cfg
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+  data = _read_yaml(path) if path else {}
+  return from_dict(apply_overrides(data, list(overrides)))
+
+
+def dump_config(cfg: Config, path: str) -> None:
+  with open(path, "w") as f:
+    yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation: impossible combinations, one line each
+# --------------------------------------------------------------------------------------------------
+
+
+def _require(cond: bool, msg: str) -> None:
+  if not cond:
+    raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> None:
+  m = cfg.model
+  for name in ("vocab_size", "d_model", "n_layers", "n_heads", "kv_lora_rank", "qk_nope_dim",
+               "qk_rope_dim", "v_head_dim", "max_seq_len", "dense_ffn_dim"):
+    _require(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be positive")
+  _require(m.q_lora_rank >= 0, "model.q_lora_rank must be >= 0 (0 = direct query projection)")
+  _require(0 <= m.n_dense_layers <= m.n_layers,
+           f"model.n_dense_layers={m.n_dense_layers} must be between 0 and model.n_layers={m.n_layers}")
+  _require(m.qk_rope_dim % 2 == 0, f"model.qk_rope_dim={m.qk_rope_dim} must be even (RoPE rotates pairs)")
+  if m.n_moe_layers > 0:
+    _require(m.n_routed_experts > 0, "model.n_routed_experts must be positive when there are MoE layers")
+    _require(m.moe_ffn_dim > 0, "model.moe_ffn_dim must be positive")
+    _require(1 <= m.n_experts_per_tok <= m.n_routed_experts,
+             f"model.n_experts_per_tok={m.n_experts_per_tok} must be in 1..model.n_routed_experts"
+             f"={m.n_routed_experts}")
+    _require(m.n_group >= 1 and m.n_routed_experts % m.n_group == 0,
+             f"model.n_group={m.n_group} must divide model.n_routed_experts={m.n_routed_experts}")
+    _require(1 <= m.topk_group <= m.n_group,
+             f"model.topk_group={m.topk_group} must be in 1..model.n_group={m.n_group}")
+    per_group = m.n_routed_experts // m.n_group
+    _require(m.topk_group * per_group >= m.n_experts_per_tok,
+             f"model.topk_group={m.topk_group} groups of {per_group} experts cannot supply "
+             f"model.n_experts_per_tok={m.n_experts_per_tok}: raise topk_group or lower top-k")
+    if m.n_group > 1 and m.scoring == "sigmoid":
+      _require(per_group >= 2, "model.n_group: group-limited sigmoid routing scores a group by its "
+               "top-2 experts, so each group needs >= 2 experts; lower n_group")
+  _require(m.yarn_factor >= 1.0, f"model.yarn_factor={m.yarn_factor} must be >= 1 (1 = plain RoPE)")
+  _require(m.mtp_depths >= 0, "model.mtp_depths must be >= 0")
+  _require(m.rms_eps > 0, "model.rms_eps must be positive")
+
+  d = cfg.data
+  _require(d.seq_len > 0 and d.batch_size > 0, "data.seq_len and data.batch_size must be positive")
+  _require(d.seq_len <= m.max_seq_len,
+           f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}: raise max_seq_len")
+  if d.weights:
+    _require(len(d.weights) == len(d.sources),
+             f"data.weights has {len(d.weights)} entries for {len(d.sources)} data.sources: give one each")
+  _require(0.0 <= d.heldout_fraction < 1.0, "data.heldout_fraction must be in [0, 1)")
+
+  mesh = cfg.mesh
+  sizes = {a: getattr(mesh, a) for a in ("data", "fsdp", "expert", "tensor", "context")}
+  for a, s in sizes.items():
+    _require(s == -1 or s >= 1, f"mesh.{a}={s} must be >= 1 or -1 (fill)")
+  _require(sum(1 for s in sizes.values() if s == -1) <= 1, "mesh: at most one axis may be -1 (fill)")
+  if m.n_moe_layers > 0 and mesh.expert > 1:
+    _require(m.n_routed_experts % mesh.expert == 0,
+             f"model.n_routed_experts={m.n_routed_experts} is not divisible by mesh.expert="
+             f"{mesh.expert}: choose an expert axis that divides the expert count")
+  if mesh.tensor > 1:
+    _require(m.n_heads % mesh.tensor == 0,
+             f"model.n_heads={m.n_heads} is not divisible by mesh.tensor={mesh.tensor}")
+  if mesh.context > 1:
+    _require(d.seq_len % (2 * mesh.context) == 0,
+             f"data.seq_len={d.seq_len} must be divisible by 2*mesh.context={2 * mesh.context} "
+             "(load-balanced causal context parallelism)")
+
+  o = cfg.optim
+  _require(o.lr > 0, "optim.lr must be positive")
+  _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1 and optim.b2 must be in [0, 1)")
+  _require(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+  t = cfg.train
+  _require(t.steps >= 0, "train.steps must be >= 0")
+  _require(t.grad_accum >= 1, "train.grad_accum must be >= 1")
+  _require(d.batch_size % t.grad_accum == 0,
+           f"data.batch_size={d.batch_size} must be divisible by train.grad_accum={t.grad_accum}")
+  _require(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
+  _require(cfg.rl.group_size >= 1, "rl.group_size must be >= 1")

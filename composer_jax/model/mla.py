@@ -1,0 +1,116 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2).
+
+Keys and values are compressed into a ``kv_lora_rank`` latent plus one shared RoPE key of
+``qk_rope_dim``; only those (576 numbers per token per layer for K2) need caching. Training expands
+the latent into per-head keys and values; decoding uses the *absorbed* form — the key up-projection
+is folded into the query and the value up-projection into the output — and attends over the latent
+directly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from composer_jax.config import ModelConfig
+from composer_jax.model.layers import Linear, RMSNorm, apply_rope, softmax_scale
+from composer_jax.parallel.rules import constrain
+
+NEG_INF = -1e30
+
+
+def attention_mask(q_pos_idx, k_pos_idx, q_seg=None, k_seg=None, k_valid=None):
+  """Boolean [b, 1, sq, sk]: causal by index, same segment, and (decoding) key slot written."""
+  mask = q_pos_idx[:, :, None] >= k_pos_idx[:, None, :]
+  if q_seg is not None:
+    mask &= q_seg[:, :, None] == k_seg[:, None, :]
+  if k_valid is not None:
+    mask &= k_valid[:, None, :]
+  return mask[:, None]
+
+
+def masked_softmax(scores, mask):
+  scores = jnp.where(mask, scores, NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1)
+  return jnp.where(mask, probs, 0.0)  # rows with no valid key (padding) give zeros, not NaN
+
+
+class MLA(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d, h = cfg.d_model, cfg.n_heads
+    if cfg.q_lora_rank:
+      self.q_a = Linear(d, (cfg.q_lora_rank,), ("embed", "q_lora"), cfg, rngs)
+      self.q_norm = RMSNorm(cfg.q_lora_rank, cfg)
+      self.q_b = Linear(cfg.q_lora_rank, (h, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"), cfg, rngs)
+    else:
+      self.q_proj = Linear(d, (h, cfg.qk_head_dim), ("embed", "heads", "head_dim"), cfg, rngs)
+    self.kv_a = Linear(d, (cfg.kv_lora_rank + cfg.qk_rope_dim,), ("embed", "kv_lora"), cfg, rngs)
+    self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg)
+    self.kv_b = Linear(cfg.kv_lora_rank, (h, cfg.qk_nope_dim + cfg.v_head_dim),
+                       ("kv_lora", "heads", "head_dim"), cfg, rngs)
+    self.o_proj = Linear(h * cfg.v_head_dim, (d,), ("heads", "embed"), cfg, rngs)
+    self.scale = softmax_scale(cfg)
+
+  def _query(self, x, cos, sin):
+    cfg = self.cfg
+    q = self.q_b(self.q_norm(self.q_a(x))) if cfg.q_lora_rank else self.q_proj(x)
+    q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
+    q_nope, q_pe = q[..., : cfg.qk_nope_dim], q[..., cfg.qk_nope_dim:]
+    return q_nope, apply_rope(q_pe, cos, sin)
+
+  def _latent(self, x, cos, sin):
+    cfg = self.cfg
+    kv = self.kv_a(x)
+    c, k_pe = kv[..., : cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank:]
+    return self.kv_norm(c), apply_rope(k_pe, cos, sin)
+
+  def _out(self, o):
+    b, s = o.shape[:2]
+    o = constrain(o, ("act_batch", "act_seq", "act_heads", None))
+    return self.o_proj(o.reshape(b, s, -1))
+
+  def __call__(self, x, cos, sin, seg=None, cache=None):
+    """x [b,s,d]; cos/sin [b,s,rope/2]; seg [b,s] or None.
+
+    With ``cache`` (a ``LayerCache``), runs the absorbed path over the cached latent and returns
+    (out, new_cache); otherwise the expanded training path and (out, None).
+    """
+    if cache is not None:
+      return self.absorbed(x, cos, sin, cache)
+    cfg = self.cfg
+    b, s, _ = x.shape
+    q_nope, q_pe = self._query(x, cos, sin)
+    c, k_pe = self._latent(x, cos, sin)
+    kv = self.kv_b(c)  # [b, s, h, nope + v]
+    k_nope, v = kv[..., : cfg.qk_nope_dim], kv[..., cfg.qk_nope_dim:]
+    scores = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
+              + jnp.einsum("bqhd,bkd->bhqk", q_pe, k_pe, preferred_element_type=jnp.float32))
+    idx = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
+    mask = attention_mask(idx, idx, seg, seg)
+    probs = masked_softmax(scores * self.scale, mask).astype(v.dtype)
+    o = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    return self._out(o), None
+
+  def absorbed(self, x, cos, sin, cache):
+    """Decode/prefill: attend over the cached latent with the up-projections absorbed."""
+    cfg = self.cfg
+    b, s, _ = x.shape
+    q_nope, q_pe = self._query(x, cos, sin)
+    c, k_pe = self._latent(x, cos, sin)
+    cache = cache.write(c, k_pe)
+    w = self.kv_b.w.value.astype(q_nope.dtype)  # [r, h, nope + v]
+    w_k, w_v = w[..., : cfg.qk_nope_dim], w[..., cfg.qk_nope_dim:]
+    q_lat = jnp.einsum("bqhd,rhd->bqhr", q_nope, w_k)  # query in latent space
+    ckv, kpe = cache.c.astype(q_lat.dtype), cache.k_pe.astype(q_pe.dtype)
+    scores = (jnp.einsum("bqhr,bkr->bhqk", q_lat, ckv, preferred_element_type=jnp.float32)
+              + jnp.einsum("bqhd,bkd->bhqk", q_pe, kpe, preferred_element_type=jnp.float32))
+    q_idx = cache.index[:, None] - s + jnp.arange(s)[None]  # positions of the new tokens
+    k_idx = jnp.broadcast_to(jnp.arange(ckv.shape[1])[None], (b, ckv.shape[1]))
+    mask = attention_mask(q_idx, k_idx, k_valid=k_idx < cache.index[:, None])
+    probs = masked_softmax(scores * self.scale, mask).astype(ckv.dtype)
+    o_lat = jnp.einsum("bhqk,bkr->bqhr", probs, ckv)
+    o = jnp.einsum("bqhr,rhd->bqhd", o_lat, w_v)
+    return self._out(o), cache

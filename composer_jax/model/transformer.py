@@ -1,0 +1,158 @@
+"""The decoder: embedding, dense-then-MoE blocks, final norm, head, optional MTP depths."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from composer_jax.config import ModelConfig
+from composer_jax.model.cache import Cache, LayerCache
+from composer_jax.model.layers import MLP, Linear, RMSNorm, dtype_of, param, rope_cos_sin
+from composer_jax.model.mla import MLA
+from composer_jax.model.moe import MoE
+from composer_jax.parallel.rules import constrain
+
+REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@struct.dataclass
+class ModelOutput:
+  logits: jax.Array  # [b, s, vocab]
+  mtp_logits: tuple = ()  # per MTP depth k (1-based): [b, s, vocab], position t predicts t+1+k
+  router_loads: jax.Array | None = None  # [n_moe_blocks, E] (main stack, then MTP blocks)
+  aux_loss: jax.Array | None = None  # scalar, summed over MoE blocks
+  routed_experts: jax.Array | None = None  # [n_moe_layers, b, s, k] when return_routing=True
+  cache: Any = None  # updated Cache when decoding
+  hidden: jax.Array | None = None  # final hidden state before the output norm
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.attn_norm = RMSNorm(cfg.d_model, cfg)
+    self.attn = MLA(cfg, rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg)
+    self.is_moe = moe
+    self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, cfg.dense_ffn_dim, rngs)
+
+  def __call__(self, x, cos, sin, seg=None, cache=None, replay_ids=None):
+    a, cache = self.attn(self.attn_norm(x), cos, sin, seg, cache)
+    h = constrain(x + a, ("act_batch", "act_seq", "act_embed"))
+    stats = None
+    if self.is_moe:
+      valid = None if seg is None else seg != 0
+      m, stats = self.mlp(self.mlp_norm(h), replay_ids, valid)
+    else:
+      m = self.mlp(self.mlp_norm(h))
+    return constrain(h + m, ("act_batch", "act_seq", "act_embed")), cache, stats
+
+
+class MTPDepth(nnx.Module):
+  """DeepSeek-V3 multi-token prediction: proj([norm(emb(t+k)), norm(h)]) -> block -> shared head."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.enorm = RMSNorm(cfg.d_model, cfg)
+    self.hnorm = RMSNorm(cfg.d_model, cfg)
+    self.proj = Linear(2 * cfg.d_model, (cfg.d_model,), ("embed_in", "embed"), cfg, rngs)
+    self.block = Block(cfg, moe=cfg.n_moe_layers > 0, rngs=rngs)
+    self.norm = RMSNorm(cfg.d_model, cfg)
+
+  def __call__(self, h, emb_ahead, cos, sin, seg):
+    x = self.proj(jnp.concatenate([self.enorm(emb_ahead), self.hnorm(h)], axis=-1))
+    x, _, stats = self.block(x, cos, sin, seg)
+    return x, stats
+
+
+class Transformer(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = dtype_of(cfg.param_dtype)
+    self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd, std=cfg.init_std)
+    self.layers = nnx.List([Block(cfg, moe=i >= cfg.n_dense_layers, rngs=rngs)
+                            for i in range(cfg.n_layers)])
+    self.norm = RMSNorm(cfg.d_model, cfg)
+    if not cfg.tie_embeddings:
+      self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd, std=cfg.init_std)
+    self.mtp = nnx.List([MTPDepth(cfg, rngs) for _ in range(cfg.mtp_depths)])
+
+  # -- pieces -------------------------------------------------------------------------------------
+
+  def embed_tokens(self, tokens):
+    x = jnp.take(self.embed.value, tokens, axis=0).astype(dtype_of(self.cfg.compute_dtype))
+    return constrain(x, ("act_batch", "act_seq", "act_embed"))
+
+  def logits(self, h):
+    w = self.embed.value.T if self.cfg.tie_embeddings else self.head.value
+    out = jnp.einsum("bsd,dv->bsv", h, w.astype(h.dtype))
+    return constrain(out, ("act_batch", "act_seq", "act_vocab"))
+
+  def moe_modules(self) -> list[MoE]:
+    blocks = list(self.layers) + [d.block for d in self.mtp]
+    return [b.mlp for b in blocks if b.is_moe]
+
+  def _run_block(self, block, x, cos, sin, seg, cache, replay):
+    if self.cfg.remat == "none" or cache is not None:
+      return block(x, cos, sin, seg, cache, replay)
+    if self.cfg.remat == "moe_only" and not block.is_moe:
+      return block(x, cos, sin, seg, cache, replay)
+    policy = REMAT_POLICIES.get(self.cfg.remat)
+    fn = nnx.remat(lambda b, *a: b(*a), policy=policy)
+    return fn(block, x, cos, sin, seg, None, replay)
+
+  # -- forward ------------------------------------------------------------------------------------
+
+  def __call__(self, tokens, segment_ids=None, positions=None, *, cache: Cache | None = None,
+               routed_experts=None, return_routing: bool = False, return_hidden: bool = False,
+               mtp: bool = True) -> ModelOutput:
+    """tokens [b,s] int32. ``segment_ids`` (0 = padding) separate packed documents.
+
+    ``routed_experts`` [n_moe_layers, b, s, k] replays recorded router choices (RL); with
+    ``return_routing`` the choices made are returned in the same layout. ``cache`` switches to the
+    absorbed decoding path and returns the updated cache.
+    """
+    cfg = self.cfg
+    b, s = tokens.shape
+    if positions is None:
+      start = cache.index[:, None] if cache is not None else jnp.zeros((b, 1), jnp.int32)
+      positions = start + jnp.arange(s, dtype=jnp.int32)[None]
+    cos, sin = rope_cos_sin(positions, cfg)
+    x = self.embed_tokens(tokens)
+    new_layers, stats, moe_i = [], [], 0
+    for i, block in enumerate(self.layers):
+      layer_cache = cache.layers[i] if cache is not None else None
+      replay = None
+      if block.is_moe and routed_experts is not None:
+        replay = routed_experts[moe_i]
+      x, layer_cache, st = self._run_block(block, x, cos, sin, segment_ids, layer_cache, replay)
+      new_layers.append(layer_cache)
+      if st is not None:
+        stats.append(st)
+        moe_i += 1
+    hidden = x
+    logits = self.logits(self.norm(x))
+    mtp_logits, h = [], x
+    if mtp and cache is None:
+      for k, depth in enumerate(self.mtp, start=1):
+        ahead = jnp.pad(tokens[:, k:], ((0, 0), (0, k)))
+        h, st = depth(h, self.embed_tokens(ahead), cos, sin, segment_ids)
+        mtp_logits.append(self.logits(depth.norm(h)))
+        if st is not None:
+          stats.append(st)
+    loads = jnp.stack([st.load for st in stats]) if stats else None
+    aux = sum((st.aux_loss for st in stats), jnp.zeros((), jnp.float32))
+    routing = None
+    if return_routing and stats:
+      routing = jnp.stack([st.expert_ids for st in stats[: cfg.n_moe_layers]])
+    return ModelOutput(logits=logits, mtp_logits=tuple(mtp_logits), router_loads=loads,
+                       aux_loss=aux, routed_experts=routing,
+                       cache=Cache(tuple(new_layers)) if cache is not None else None,
+                       hidden=hidden if return_hidden else None)

@@ -1,0 +1,64 @@
+"""Device mesh from the ``mesh`` config section.
+
+Axes, outermost first: data, fsdp, expert, context, tensor (tensor innermost so that its collectives
+stay on the fastest links). ``-1`` fills one axis with the remaining devices.
+
+Multi-host: set ``mesh.distributed=true`` and the usual ``jax.distributed`` environment (on Cloud TPU
+nothing else; elsewhere JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) — every process
+then calls ``jax.distributed.initialize()`` before building the mesh.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from composer_jax.config import ConfigError, MeshConfig
+from composer_jax.parallel.rules import MESH_AXES
+
+
+def set_cpu_devices(n: int) -> None:
+  """Ask XLA for ``n`` fake CPU devices; must run before JAX initialises its backends."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def maybe_initialize_distributed(cfg: MeshConfig) -> None:
+  if cfg.distributed and jax.process_count() == 1:
+    jax.distributed.initialize()
+
+
+def resolve_axis_sizes(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
+  sizes = {a: getattr(cfg, a) for a in MESH_AXES}
+  fixed = 1
+  for a, s in sizes.items():
+    if s != -1:
+      fixed *= s
+  fill = [a for a, s in sizes.items() if s == -1]
+  if fill:
+    if n_devices % fixed:
+      raise ConfigError(f"mesh: the fixed axes use {fixed} devices, which does not divide the "
+                        f"{n_devices} visible devices; change mesh.{fill[0]} or the other axes")
+    sizes[fill[0]] = n_devices // fixed
+  total = int(np.prod(list(sizes.values())))
+  if total > n_devices:
+    raise ConfigError(f"mesh: {sizes} needs {total} devices but only {n_devices} are visible; "
+                      "shrink the mesh (or pass --cpu-devices N for fake CPU devices)")
+  return sizes
+
+
+def build_mesh(cfg: MeshConfig, devices=None) -> Mesh:
+  devices = list(devices if devices is not None else jax.devices())
+  sizes = resolve_axis_sizes(cfg, len(devices))
+  total = int(np.prod(list(sizes.values())))
+  shape = tuple(sizes[a] for a in MESH_AXES)
+  try:
+    from jax.experimental import mesh_utils
+    grid = mesh_utils.create_device_mesh(shape, devices=devices[:total])
+  except Exception:  # non-TPU topologies or a partial device list: plain row-major order
+    grid = np.asarray(devices[:total]).reshape(shape)
+  return Mesh(grid, MESH_AXES)

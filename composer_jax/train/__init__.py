@@ -1,0 +1,1 @@
+"""composer_jax.train."""

@@ -1,0 +1,12 @@
+"""Test set-up: 8 fake CPU devices for mesh-equivalence tests, set before JAX initialises."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
