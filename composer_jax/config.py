@@ -113,6 +113,7 @@ class DataConfig:
   max_files: int = 4000  # cap on files read from each directory source
   tokenizer: str = "train"  # "train" = BPE trained on the corpus; or a tokenizer.json / tiktoken path
   tokenizer_vocab_size: int = 0  # 0 = model.vocab_size
+  tokenizer_train_mb: float = 8.0  # corpus text (MiB) the trained BPE learns from
   sft_path: str = ""  # JSONL chat trajectories for SFT
   num_workers: int = 0
   seed: int = 0
@@ -178,12 +179,18 @@ class EnvConfig:
   max_file_mb: int = 256
   max_output_chars: int = 8000
   max_turns: int = 30
+  grade_timeout_s: float = 300.0  # one full test run at grading / task validation
+  workers: int = 2  # parallel sandboxed test runs (task generation, eval episodes)
+  cache_dir: str = ""  # sdist cache for `tasks generate --package` ("" = ~/.cache/composer_jax/sdists)
+  max_fail_fraction: float = 0.5  # drop deletions that fail more of the tests (an import break)
+  verbose_prompt: bool = False  # episodes get the verbose problem statement instead of the terse one
 
 
 @dataclass
 class EvalConfig:
   samples: int = 1
   k: list = field(default_factory=lambda: [1])
+  workers: int = 2  # episodes run in parallel
 
 
 @dataclass
@@ -220,6 +227,11 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
       return None
     return _coerce(value, args[0], name)
   if tp is float:
+    if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+      try:
+        value = float(value)
+      except ValueError:
+        pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ConfigError(f"{name}={value!r} must be a number")
     return float(value)
@@ -384,6 +396,7 @@ def validate(cfg: Config) -> None:
     _require(len(d.weights) == len(d.sources),
              f"data.weights has {len(d.weights)} entries for {len(d.sources)} data.sources: give one each")
   _require(0.0 <= d.heldout_fraction < 1.0, "data.heldout_fraction must be in [0, 1)")
+  _require(d.tokenizer_train_mb > 0, "data.tokenizer_train_mb must be positive (e.g. 8)")
 
   mesh = cfg.mesh
   sizes = {a: getattr(mesh, a) for a in ("data", "fsdp", "expert", "tensor", "context")}
@@ -413,3 +426,12 @@ def validate(cfg: Config) -> None:
            f"data.batch_size={d.batch_size} must be divisible by train.grad_accum={t.grad_accum}")
   _require(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
   _require(cfg.rl.group_size >= 1, "rl.group_size must be >= 1")
+  e = cfg.env
+  for name in ("timeout_s", "grade_timeout_s", "memory_mb", "max_procs", "max_file_mb", "max_turns",
+               "workers", "max_output_chars"):
+    _require(getattr(e, name) > 0, f"env.{name}={getattr(e, name)} must be positive")
+  _require(0 < e.max_fail_fraction <= 1, f"env.max_fail_fraction={e.max_fail_fraction} must be in (0, 1]")
+  _require(cfg.eval.samples >= 1, f"eval.samples={cfg.eval.samples} must be >= 1")
+  _require(cfg.eval.workers >= 1, f"eval.workers={cfg.eval.workers} must be >= 1")
+  _require(all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in cfg.eval.k),
+           f"eval.k={cfg.eval.k} must be a list of positive integers, e.g. [1, 5]")

@@ -18,7 +18,22 @@ def dtype_of(name: str):
   return jnp.dtype(name)
 
 
-def param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None], dtype,
+class KeySeq:
+  """A stream of PRNG keys for parameter init: ``keys()`` folds a Python counter into one key.
+
+  Used instead of calling ``nnx.Rngs.params()`` per parameter, whose in-place counter update costs
+  quadratic time when tracing a large model under eval_shape (minutes for Kimi K2).
+  """
+
+  def __init__(self, key: jax.Array):
+    self.key, self.n = key, 0
+
+  def __call__(self) -> jax.Array:
+    self.n += 1
+    return jax.random.fold_in(self.key, self.n)
+
+
+def param(rngs: KeySeq | None, shape: Sequence[int], axes: Sequence[str | None], dtype,
           std: float | None = None, init: str = "normal") -> nnx.Param:
   """A parameter with logical ``axes`` metadata; ``init`` is normal(std), ones or zeros."""
   assert len(shape) == len(axes), (shape, axes)
@@ -27,8 +42,10 @@ def param(rngs: nnx.Rngs | None, shape: Sequence[int], axes: Sequence[str | None
   elif init == "zeros":
     value = jnp.zeros(shape, dtype)
   else:
-    value = (std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)).astype(dtype)
-  return nnx.Param(value, axes=tuple(axes))
+    value = (std * jax.random.truncated_normal(rngs(), -2.0, 2.0, shape, jnp.float32)).astype(dtype)
+  # eager_sharding=False: flax would otherwise query each traced value's sharding at creation,
+  # which costs quadratic time under eval_shape of a large model (10 s for K2).
+  return nnx.Param(value, axes=tuple(axes), eager_sharding=False)
 
 
 class RMSNorm(nnx.Module):
@@ -41,14 +58,14 @@ class RMSNorm(nnx.Module):
     # Normalise in float32 as the reference implementations do, then return to the input dtype.
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return (self.scale.value.astype(jnp.float32) * xf).astype(x.dtype)
+    return (self.scale[...].astype(jnp.float32) * xf).astype(x.dtype)
 
 
 class Linear(nnx.Module):
   """``x[..., in] @ w[in, *out]``; weights stored as [in, *out] with logical axes."""
 
   def __init__(self, d_in: int, out_shape: Sequence[int], axes: Sequence[str], cfg: ModelConfig,
-               rngs: nnx.Rngs, std: float | None = None):
+               rngs: KeySeq, std: float | None = None):
     out_shape = tuple(out_shape)
     self.w = param(rngs, (d_in,) + out_shape, axes, dtype_of(cfg.param_dtype),
                    std=cfg.init_std if std is None else std)
@@ -56,7 +73,7 @@ class Linear(nnx.Module):
     self.n_out = len(out_shape)
 
   def __call__(self, x):
-    w = self.w.value.astype(self.compute_dtype)
+    w = self.w[...].astype(self.compute_dtype)
     out = "".join("uvwxyz"[: self.n_out])
     return jnp.einsum(f"...i,i{out}->...{out}", x.astype(self.compute_dtype), w)
 
@@ -64,7 +81,7 @@ class Linear(nnx.Module):
 class MLP(nnx.Module):
   """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-  def __init__(self, cfg: ModelConfig, hidden: int, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, hidden: int, rngs: KeySeq):
     d = cfg.d_model
     self.gate = Linear(d, (hidden,), ("embed", "mlp"), cfg, rngs)
     self.up = Linear(d, (hidden,), ("embed", "mlp"), cfg, rngs)

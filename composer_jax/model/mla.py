@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from composer_jax.config import ModelConfig
-from composer_jax.model.layers import Linear, RMSNorm, apply_rope, softmax_scale
-from composer_jax.parallel.rules import constrain
+from composer_jax.model.layers import KeySeq, Linear, RMSNorm, apply_rope, softmax_scale
+from composer_jax.parallel.rules import active, constrain
 
 NEG_INF = -1e30
 
@@ -38,7 +38,7 @@ def masked_softmax(scores, mask):
 
 class MLA(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: KeySeq):
     self.cfg = cfg
     d, h = cfg.d_model, cfg.n_heads
     if cfg.q_lora_rank:
@@ -86,6 +86,11 @@ class MLA(nnx.Module):
     c, k_pe = self._latent(x, cos, sin)
     kv = self.kv_b(c)  # [b, s, h, nope + v]
     k_nope, v = kv[..., : cfg.qk_nope_dim], kv[..., cfg.qk_nope_dim:]
+    mesh, _ = active()
+    if mesh is not None and mesh.shape.get("context", 1) > 1:  # sequence sharded: balanced CP
+      from composer_jax.parallel.context import context_attention
+      o = context_attention(q_nope, q_pe, k_nope, k_pe, v, seg, self.scale)
+      return self._out(o), None
     scores = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
               + jnp.einsum("bqhd,bkd->bhqk", q_pe, k_pe, preferred_element_type=jnp.float32))
     idx = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
@@ -101,7 +106,7 @@ class MLA(nnx.Module):
     q_nope, q_pe = self._query(x, cos, sin)
     c, k_pe = self._latent(x, cos, sin)
     cache = cache.write(c, k_pe)
-    w = self.kv_b.w.value.astype(q_nope.dtype)  # [r, h, nope + v]
+    w = self.kv_b.w[...].astype(q_nope.dtype)  # [r, h, nope + v]
     w_k, w_v = w[..., : cfg.qk_nope_dim], w[..., cfg.qk_nope_dim:]
     q_lat = jnp.einsum("bqhd,rhd->bqhr", q_nope, w_k)  # query in latent space
     ckv, kpe = cache.c.astype(q_lat.dtype), cache.k_pe.astype(q_pe.dtype)

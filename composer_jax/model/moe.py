@@ -16,7 +16,7 @@ from flax import nnx
 
 from composer_jax.config import ModelConfig
 from composer_jax.kernels import gmm
-from composer_jax.model.layers import MLP, dtype_of, param
+from composer_jax.model.layers import KeySeq, MLP, dtype_of, param
 from composer_jax.model.routing import expert_load, route, sequence_aux_loss, update_router_bias
 from composer_jax.parallel.rules import active, constrain
 
@@ -63,12 +63,12 @@ def dropless_moe(x, expert_ids, weights, w_gate, w_up, w_down, *, impl: str = "a
 
 class MoE(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: KeySeq):
     self.cfg = cfg
     d, e, f = cfg.d_model, cfg.n_routed_experts, cfg.moe_ffn_dim
     pd = dtype_of(cfg.param_dtype)
     self.router = param(rngs, (d, e), ("embed", None), jnp.float32, std=cfg.init_std)
-    self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), axes=(None,))
+    self.router_bias = RouterBias(jnp.zeros((e,), jnp.float32), axes=(None,), eager_sharding=False)
     self.w_gate = param(rngs, (e, d, f), ("exp", "exp_embed", "exp_mlp"), pd, std=cfg.init_std)
     self.w_up = param(rngs, (e, d, f), ("exp", "exp_embed", "exp_mlp"), pd, std=cfg.init_std)
     self.w_down = param(rngs, (e, f, d), ("exp", "exp_mlp", "exp_embed"), pd, std=cfg.init_std)
@@ -79,10 +79,10 @@ class MoE(nnx.Module):
     b, s, d = x.shape
     cdt = dtype_of(cfg.compute_dtype)
     xt = x.reshape(b * s, d)
-    logits = xt.astype(jnp.float32) @ self.router.value.astype(jnp.float32)
+    logits = xt.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
     replay = None if replay_ids is None else replay_ids.reshape(b * s, -1)
-    ids, weights, scores = route(logits, self.router_bias.value, cfg, replay)
-    w = [getattr(self, n).value.astype(cdt) for n in ("w_gate", "w_up", "w_down")]
+    ids, weights, scores = route(logits, self.router_bias[...], cfg, replay)
+    w = [getattr(self, n)[...].astype(cdt) for n in ("w_gate", "w_up", "w_down")]
     mesh, _ = active()
     if mesh is not None and mesh.shape.get("expert", 1) > 1:
       from composer_jax.parallel.experts import expert_parallel_moe
@@ -106,4 +106,4 @@ def moe_layers(model: nnx.Module) -> list[MoE]:
 def apply_router_bias_update(model: nnx.Module, loads: jax.Array, rate: float) -> None:
   """In-place aux-loss-free update of each MoE layer's bias from its loads [n_moe, E]."""
   for layer, load in zip(moe_layers(model), loads):
-    layer.router_bias.value = update_router_bias(layer.router_bias.value, load, rate)
+    layer.router_bias.set_value(update_router_bias(layer.router_bias[...], load, rate))

@@ -10,7 +10,7 @@ from flax import nnx, struct
 
 from composer_jax.config import ModelConfig
 from composer_jax.model.cache import Cache, LayerCache
-from composer_jax.model.layers import MLP, Linear, RMSNorm, dtype_of, param, rope_cos_sin
+from composer_jax.model.layers import KeySeq, MLP, Linear, RMSNorm, dtype_of, param, rope_cos_sin
 from composer_jax.model.mla import MLA
 from composer_jax.model.moe import MoE
 from composer_jax.parallel.rules import constrain
@@ -35,7 +35,7 @@ class ModelOutput:
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, moe: bool, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, moe: bool, rngs: KeySeq):
     self.cfg = cfg
     self.attn_norm = RMSNorm(cfg.d_model, cfg)
     self.attn = MLA(cfg, rngs)
@@ -58,7 +58,7 @@ class Block(nnx.Module):
 class MTPDepth(nnx.Module):
   """DeepSeek-V3 multi-token prediction: proj([norm(emb(t+k)), norm(h)]) -> block -> shared head."""
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: KeySeq):
     self.enorm = RMSNorm(cfg.d_model, cfg)
     self.hnorm = RMSNorm(cfg.d_model, cfg)
     self.proj = Linear(2 * cfg.d_model, (cfg.d_model,), ("embed_in", "embed"), cfg, rngs)
@@ -73,8 +73,10 @@ class MTPDepth(nnx.Module):
 
 class Transformer(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs | KeySeq):
     self.cfg = cfg
+    if isinstance(rngs, nnx.Rngs):
+      rngs = KeySeq(rngs.params())
     pd = dtype_of(cfg.param_dtype)
     self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd, std=cfg.init_std)
     self.layers = nnx.List([Block(cfg, moe=i >= cfg.n_dense_layers, rngs=rngs)
@@ -87,11 +89,11 @@ class Transformer(nnx.Module):
   # -- pieces -------------------------------------------------------------------------------------
 
   def embed_tokens(self, tokens):
-    x = jnp.take(self.embed.value, tokens, axis=0).astype(dtype_of(self.cfg.compute_dtype))
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype_of(self.cfg.compute_dtype))
     return constrain(x, ("act_batch", "act_seq", "act_embed"))
 
   def logits(self, h):
-    w = self.embed.value.T if self.cfg.tie_embeddings else self.head.value
+    w = self.embed[...].T if self.cfg.tie_embeddings else self.head[...]
     out = jnp.einsum("bsd,dv->bsv", h, w.astype(h.dtype))
     return constrain(out, ("act_batch", "act_seq", "act_vocab"))
 

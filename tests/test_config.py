@@ -1,0 +1,56 @@
+"""Config loading, overrides and one-line validation errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+from composer_jax.config import ConfigError, load_config
+
+PRESETS = ["tiny", "bench", "kimi-k2", "kimi-k2.5", "deepseek-v3"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_load(name):
+  cfg = load_config(f"configs/{name}.yaml")
+  assert cfg.model.n_layers > cfg.model.n_dense_layers >= 1
+
+
+def test_tiny_exercises_every_module():
+  m = load_config("configs/tiny.yaml").model
+  assert m.n_dense_layers >= 1 and m.n_moe_layers >= 2 and m.n_routed_experts >= 8
+  assert m.n_shared_experts >= 1 and m.n_group > 1 and m.mtp_depths == 1
+
+
+def test_base_include_and_overrides():
+  cfg = load_config("configs/kimi-k2.5.yaml", ["model.n_layers=4", "optim.lr=1e-3", "data.sources=[a, b]"])
+  assert cfg.model.yarn_factor == 64.0 and cfg.model.d_model == 7168  # from the base file
+  assert cfg.model.n_layers == 4 and cfg.optim.lr == 1e-3 and cfg.data.sources == ["a", "b"]
+
+
+@pytest.mark.parametrize("override,field", [
+    ("model.n_layerz=3", "model.n_layerz"),
+    ("model.n_layers=abc", "model.n_layers"),
+    ("model.n_experts_per_tok=99", "model.n_experts_per_tok"),
+    ("mesh.expert=3", "mesh.expert"),
+    ("model.n_group=3", "model.n_group"),
+    ("model.topk_group=9", "model.topk_group"),
+    ("model.qk_rope_dim=7", "model.qk_rope_dim"),
+    ("data.seq_len=100000", "data.seq_len"),
+    ("model.scoring=relu", "model.scoring"),
+    ("mesh.data=-1", "mesh"),
+])
+def test_bad_values_name_the_field(override, field):
+  over = [override] + (["mesh.fsdp=-1"] if override == "mesh.data=-1" else [])
+  with pytest.raises(ConfigError) as e:
+    load_config("configs/tiny.yaml", over)
+  msg = str(e.value)
+  assert field in msg and "\n" not in msg
+
+
+def test_cli_prints_one_line_and_exit_2():
+  r = subprocess.run([sys.executable, "-m", "composer_jax.cli", "params", "configs/tiny.yaml",
+                      "model.n_experts_per_tok=99"], capture_output=True, text=True)
+  assert r.returncode == 2
+  assert r.stderr.strip().count("\n") == 0 and "model.n_experts_per_tok" in r.stderr
+  assert "Traceback" not in r.stderr
