@@ -1,0 +1,94 @@
+"""``composer-jax convert``: HF checkpoint folders <-> Orbax checkpoints of the model parameters.
+
+``--from-hf HF_DIR --out DIR`` writes ``DIR/params`` (an Orbax ``StandardCheckpointer`` checkpoint
+of ``nnx.state(model)``, the parameters and router biases only: no optimizer state or step, which
+the training checkpoint of a later issue owns) and ``DIR/config.yaml`` (a full composer config whose
+``model`` section describes the checkpoint, usable as a training config base).
+
+``--to-hf DIR --out HF_DIR`` reads ``DIR/params`` with the model section of ``--config`` (a composer
+YAML or an HF config.json; default ``DIR/config.yaml``) and writes an HF folder in the released
+per-expert layout.
+"""
+
+from __future__ import annotations
+
+import os
+
+from composer_jax.config import ConfigError
+
+PARAMS, CONFIG = "params", "config.yaml"
+
+
+def register(sub) -> None:
+  p = sub.add_parser("convert", help="convert HF checkpoints to/from Orbax parameter checkpoints")
+  src = p.add_mutually_exclusive_group(required=True)
+  src.add_argument("--from-hf", metavar="HF_DIR", help="HF folder (config.json + safetensors)")
+  src.add_argument("--to-hf", metavar="DIR", help="folder written by --from-hf (holds params/)")
+  p.add_argument("--out", required=True, help="output folder")
+  p.add_argument("--config", help="--to-hf: composer YAML or HF config.json (default DIR/config.yaml)")
+  p.add_argument("--dtype", choices=["float32", "bfloat16"],
+                 help="--from-hf: parameter dtype (default: the checkpoint's torch_dtype)")
+  p.add_argument("--max-shard-gb", type=float, default=5.0, help="--to-hf: safetensors shard size")
+  p.set_defaults(func=run)
+
+
+def _model_config(args):
+  from composer_jax.config import load_config
+  from composer_jax.hf import config_from_hf
+  path = args.config or os.path.join(args.to_hf, CONFIG)
+  if not os.path.exists(path):
+    raise ConfigError(f"--config {path!r} does not exist: pass the YAML written by --from-hf or "
+                      "an HF config.json")
+  if path.endswith(".json"):
+    import json
+    with open(path) as f:
+      return config_from_hf(json.load(f))
+  return load_config(path).model
+
+
+def run(args) -> int:
+  if args.max_shard_gb <= 0:
+    raise ConfigError(f"--max-shard-gb={args.max_shard_gb} must be positive")
+  if args.from_hf:
+    if not os.path.exists(os.path.join(args.from_hf, "config.json")):
+      raise ConfigError(f"--from-hf {args.from_hf!r} has no config.json: pass an HF checkpoint folder")
+    return from_hf(args.from_hf, args.out, args.dtype)
+  params = os.path.join(args.to_hf, PARAMS)
+  if not os.path.isdir(params):
+    raise ConfigError(f"--to-hf {args.to_hf!r} has no {PARAMS}/ folder: pass a folder written by "
+                      "`composer-jax convert --from-hf`")
+  return to_hf(params, _model_config(args), args.out, int(args.max_shard_gb * 1024**3))
+
+
+def from_hf(hf_dir: str, out: str, dtype: str | None = None) -> int:
+  import orbax.checkpoint as ocp
+  from flax import nnx
+
+  from composer_jax.config import Config, DataConfig, dump_config
+  from composer_jax.hf import from_pretrained
+  model = from_pretrained(hf_dir, dtype=dtype)
+  os.makedirs(out, exist_ok=True)
+  target = os.path.join(os.path.abspath(out), PARAMS)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(target, nnx.state(model), force=True)
+  data = DataConfig(seq_len=min(DataConfig.seq_len, model.cfg.max_seq_len))  # keep it loadable
+  dump_config(Config(model=model.cfg, data=data), os.path.join(out, CONFIG))
+  print(f"wrote {target} and {os.path.join(out, CONFIG)}")
+  return 0
+
+
+def to_hf(params: str, cfg, out: str, max_shard_bytes: int) -> int:
+  import orbax.checkpoint as ocp
+  from flax import nnx
+
+  from composer_jax.hf import save_pretrained
+  from composer_jax.model import abstract_model
+  graphdef, abstract = nnx.split(abstract_model(cfg))
+  with ocp.StandardCheckpointer() as ckptr:
+    try:
+      state = ckptr.restore(os.path.abspath(params), abstract)
+    except ValueError as e:  # shapes or tree structure disagree with the config
+      raise ConfigError(f"{params} does not match the model config: {str(e).splitlines()[0]}") from None
+  save_pretrained(nnx.merge(graphdef, state), out, max_shard_bytes=max_shard_bytes)
+  print(f"wrote {out}")
+  return 0
