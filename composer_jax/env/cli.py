@@ -1,0 +1,152 @@
+"""``composer-jax sandbox exec`` and ``composer-jax tasks generate | setup | grade``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from composer_jax.config import ConfigError, load_config
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--config", default=None, help="YAML config (env section)")
+  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                 help="override a config field, e.g. env.sandbox=required")
+
+
+def register(subparsers) -> None:
+  sb = subparsers.add_parser("sandbox", help="run commands the way the agent's terminal tool does")
+  sbsub = sb.add_subparsers(dest="sandbox_command", required=True)
+  ex = sbsub.add_parser("exec", help="run one command in the sandbox: exec --workspace DIR -- CMD ...")
+  ex.add_argument("--workspace", required=True, help="directory bound read-write as the workspace")
+  ex.add_argument("--timeout", type=float, default=None, help="seconds (default env.timeout_s)")
+  _common(ex)
+  ex.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
+  ex.set_defaults(func=_sandbox_exec)
+
+  tasks = subparsers.add_parser("tasks", help="generate, set up and grade coding tasks")
+  tsub = tasks.add_subparsers(dest="tasks_command", required=True)
+  gen = tsub.add_parser("generate", help="feature-deletion tasks from a package's sdist or a repo")
+  src = gen.add_mutually_exclusive_group(required=True)
+  src.add_argument("--package", action="append", help="PyPI name (sdist with tests); repeatable")
+  src.add_argument("--repo", help="a local repository with a test suite")
+  gen.add_argument("--out", required=True, help="folder for the task directories and reports")
+  gen.add_argument("--max", type=int, default=50, help="tasks to keep per package (default 50)")
+  gen.add_argument("--max-tries", type=int, default=None, help="cap on candidates tried per package")
+  gen.add_argument("--seed", type=int, default=0)
+  _common(gen)
+  gen.set_defaults(func=_tasks_generate)
+
+  setup = tsub.add_parser("setup", help="auto-install: propose, run and verify a set-up recipe")
+  setup.add_argument("--repo", required=True)
+  _common(setup)
+  setup.set_defaults(func=_tasks_setup)
+
+  gr = tsub.add_parser("grade", help="grade a workspace against a task (fresh sandbox, hidden tests)")
+  gr.add_argument("--task", required=True, help="a task directory (holds task.json)")
+  gr.add_argument("--workspace", required=True, help="the workspace to grade")
+  _common(gr)
+  gr.set_defaults(func=_tasks_grade)
+
+
+def _env_cfg(args):
+  return load_config(args.config, args.overrides).env
+
+
+def _limits(env, timeout=None):
+  from composer_jax.env.sandbox import Limits
+  return Limits(timeout_s=float(timeout if timeout is not None else env.timeout_s),
+                memory_mb=env.memory_mb, max_procs=env.max_procs, max_file_mb=env.max_file_mb,
+                max_output_chars=env.max_output_chars)
+
+
+def _sandbox_exec(args) -> int:
+  from composer_jax.env.sandbox import Sandbox, SandboxError
+  cmd = list(args.cmd)
+  if cmd and cmd[0] == "--":
+    cmd = cmd[1:]
+  if not cmd:
+    raise ConfigError("sandbox exec: no command given; write it after --, e.g. -- python -V")
+  if not os.path.isdir(args.workspace):
+    raise ConfigError(f"--workspace {args.workspace!r} is not a directory: pass an existing folder")
+  if args.timeout is not None and args.timeout <= 0:
+    raise ConfigError(f"--timeout {args.timeout} must be positive")
+  env = _env_cfg(args)
+  try:
+    sb = Sandbox(args.workspace, _limits(env, args.timeout), mode=env.sandbox)
+  except SandboxError as e:
+    raise ConfigError(str(e)) from None
+  r = sb.run(cmd if len(cmd) > 1 else cmd[0])
+  sys.stdout.write(r.output if r.output.endswith("\n") or not r.output else r.output + "\n")
+  note = "timed out, " if r.timed_out else ""
+  print(f"[exit code {r.exit_code}; {note}{r.seconds:.2f} s; "
+        f"{'bubblewrap' if r.sandboxed else 'rlimits only'}]", file=sys.stderr)
+  return r.exit_code if 0 <= r.exit_code < 256 else 1
+
+
+def _tasks_generate(args) -> int:
+  from composer_jax.env.generate import DEFAULT_CACHE, SourceError, fetch_sdist, generate
+  if args.max < 1:
+    raise ConfigError(f"--max {args.max} must be >= 1")
+  if args.repo and not os.path.isdir(args.repo):
+    raise ConfigError(f"--repo {args.repo!r} is not a directory: pass a repository folder")
+  env = _env_cfg(args)
+  limits = _limits(env, env.grade_timeout_s)
+  os.makedirs(args.out, exist_ok=True)
+  sources = []
+  try:
+    if args.repo:
+      sources.append((args.repo, None, {"kind": "local", "path": os.path.abspath(args.repo)}))
+    for pkg in args.package or []:
+      root = fetch_sdist(pkg, env.cache_dir or DEFAULT_CACHE)
+      sources.append((root, pkg.split("==")[0], {"kind": "sdist", "package": pkg,
+                                                  "path": os.path.basename(root)}))
+  except SourceError as e:
+    raise ConfigError(str(e)) from None
+  reports = []
+  for root, name, source in sources:
+    try:
+      rep = generate(root, args.out, name=name, source=source, max_tasks=args.max,
+                     max_tries=args.max_tries, limits=limits, mode=env.sandbox, workers=env.workers,
+                     seed=args.seed, max_fail_fraction=env.max_fail_fraction,
+                     task_limits={"timeout_s": env.timeout_s, "max_turns": env.max_turns,
+                                  "grade_timeout_s": env.grade_timeout_s})
+    except SourceError as e:
+      print(f"composer-jax: {e}", file=sys.stderr)
+      continue
+    reports.append({k: v for k, v in rep.items() if k not in ("tasks", "recipe")})
+  print(json.dumps(reports, indent=1))
+  total = sum(r["kept"] for r in reports)
+  print(f"{total} tasks from {sum(r['kept'] > 0 for r in reports)} source(s) in {args.out}")
+  return 0 if total else 1
+
+
+def _tasks_setup(args) -> int:
+  from composer_jax.env.autoinstall import SetupError, auto_install
+  if not os.path.isdir(args.repo):
+    raise ConfigError(f"--repo {args.repo!r} is not a directory: pass a repository folder")
+  env = _env_cfg(args)
+  try:
+    recipe, _ = auto_install(args.repo, _limits(env, env.grade_timeout_s), env.sandbox)
+  except SetupError as e:
+    print(f"set-up failed: {e}", file=sys.stderr)
+    return 1
+  print(json.dumps(recipe.to_json(), indent=1))
+  return 0
+
+
+def _tasks_grade(args) -> int:
+  from composer_jax.env.grading import grade
+  from composer_jax.env.tasks import TaskError, load_task
+  if not os.path.isdir(args.workspace):
+    raise ConfigError(f"--workspace {args.workspace!r} is not a directory")
+  try:
+    task = load_task(args.task)
+  except TaskError as e:
+    raise ConfigError(str(e)) from None
+  env = _env_cfg(args)
+  r = grade(task, args.workspace, _limits(env, env.grade_timeout_s), env.sandbox)
+  print(json.dumps({"reward": r.reward, **r.details}, indent=1))
+  return 0 if r.resolved else 1

@@ -1,0 +1,162 @@
+"""One episode: a policy talks to the tools in a fresh sandboxed workspace, then the workspace is graded.
+
+A policy maps the conversation so far (a list of ``{"role", "content"}`` messages: system, user,
+assistant, tool) to the next assistant message, written in the text protocol of ``protocol.py``. The
+scripted policies here (oracle, null) drive the environment in tests and set the harness's bounds; a
+model-backed policy (the RL sampler) plugs in through the same interface.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import tempfile
+import time
+from typing import Protocol, runtime_checkable
+
+from composer_jax.env import guards
+from composer_jax.env.grading import grade, test_env
+from composer_jax.env.protocol import ParseError, describe_tools, format_call, format_observation, parse
+from composer_jax.env.sandbox import Limits, Sandbox
+from composer_jax.env.tasks import Task, read_text
+from composer_jax.env.tools import SPECS, ToolBox
+
+SYSTEM_PROMPT = ("You are a coding agent working in a repository checked out in your workspace. "
+                 "Use the tools to inspect and edit files and to run commands, then submit.\n\n")
+
+
+@dataclasses.dataclass
+class Turn:
+  text: str
+  completion_tokens: int | None = None  # a model policy reports its true count
+
+
+@runtime_checkable
+class Policy(Protocol):
+  name: str
+
+  def reset(self, task: Task) -> None: ...
+
+  def __call__(self, messages: list[dict]) -> "Turn | str": ...
+
+
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+def approx_tokens(text: str) -> int:
+  """Word/punctuation count: the token measure for scripted policies, which have no tokenizer."""
+  return len(_TOKEN.findall(text))
+
+
+class NullPolicy:
+  """Submits at once: the floor (every valid task must score 0)."""
+  name = "null"
+
+  def reset(self, task: Task) -> None:
+    pass
+
+  def __call__(self, messages: list[dict]) -> Turn:
+    return Turn("Nothing to change.\n" + format_call("submit", {}))
+
+
+class OraclePolicy:
+  """Writes the reference solution back with ``create`` calls, then submits (must score 1)."""
+  name = "oracle"
+
+  def __init__(self):
+    self.files: dict[str, str] = {}
+
+  def reset(self, task: Task) -> None:
+    self.files = {rel: read_text(os.path.join(task.gold_dir, rel)) for rel in task.gold_files}
+
+  def __call__(self, messages: list[dict]) -> Turn:
+    if not any(m["role"] == "assistant" for m in messages):
+      calls = [format_call("create", {"path": rel, "content": text}) for rel, text in self.files.items()]
+      return Turn("Restoring the deleted code.\n" + "\n".join(calls))
+    return Turn(format_call("submit", {}))
+
+
+@dataclasses.dataclass
+class Trajectory:
+  instance_id: str
+  policy: str
+  messages: list
+  calls: list  # {"name", "args", "ok"}
+  tool_calls: int = 0
+  format_errors: int = 0  # malformed calls and unknown tools
+  no_call_turns: int = 0
+  completion_tokens: int = 0
+  turns: int = 0
+  submitted: bool = False
+  reward: float = 0.0
+  resolved: bool = False
+  grade: dict = dataclasses.field(default_factory=dict)
+  flags: list = dataclasses.field(default_factory=list)
+  wall_s: float = 0.0
+
+  def to_json(self, with_messages: bool = True) -> dict:
+    d = dataclasses.asdict(self)
+    if not with_messages:
+      d.pop("messages")
+    return d
+
+
+def start_workspace(task: Task, dest: str) -> str:
+  """A fresh single-commit repository with the task's snapshot (caches and build outputs gone)."""
+  shutil.copytree(task.workspace_dir, dest, symlinks=True)
+  guards.clean_tree(dest)
+  guards.make_fresh_repo(dest)
+  return dest
+
+
+def run_episode(task: Task, policy, limits: Limits = Limits(), mode: str = "auto",
+                max_turns: int = 30, verbose_prompt: bool = False,
+                grade_limits: Limits | None = None) -> Trajectory:
+  t0 = time.perf_counter()
+  policy.reset(task)
+  traj = Trajectory(task.instance_id, getattr(policy, "name", type(policy).__name__), [], [])
+  with tempfile.TemporaryDirectory(prefix="cj-ep-") as tmp:
+    ws = start_workspace(task, os.path.join(tmp, "ws"))
+    hide = guards.installed_copies(task.package_modules) + ([task.path] if task.path else [])
+    sandbox = Sandbox(ws, limits, mode=mode, hide=hide, env=test_env(task, ws))
+    tools = ToolBox(sandbox, max_output_chars=limits.max_output_chars)
+    traj.messages = [{"role": "system", "content": SYSTEM_PROMPT + describe_tools(SPECS)},
+                     {"role": "user", "content": task.prompt(verbose_prompt)}]
+    for _ in range(max_turns):
+      out = policy(traj.messages)
+      turn = out if isinstance(out, Turn) else Turn(str(out))
+      traj.turns += 1
+      traj.completion_tokens += (turn.completion_tokens if turn.completion_tokens is not None
+                                 else approx_tokens(turn.text))
+      traj.messages.append({"role": "assistant", "content": turn.text})
+      observations = []
+      items = parse(turn.text, SPECS).items
+      if not items:
+        traj.no_call_turns += 1
+        observations.append(format_observation("?", "no tool call found: call a tool, or submit "
+                                               'with <tool_call name="submit"></tool_call>', False))
+      for item in items:
+        if isinstance(item, ParseError):
+          traj.format_errors += 1
+          observations.append(format_observation(item.tool, item.message, False))
+          continue
+        obs = tools.execute(item)
+        traj.tool_calls += 1
+        traj.calls.append({"name": item.name, "args": item.args, "ok": obs.ok})
+        observations.append(format_observation(obs.tool, obs.text, obs.ok))
+        if tools.submitted:
+          break
+      traj.messages.append({"role": "tool", "content": "\n".join(observations)})
+      if tools.submitted:
+        traj.submitted = True
+        break
+    result = grade(task, ws, grade_limits, mode)
+  flags = guards.scan_trajectory(traj.calls, task)
+  traj.flags = [dataclasses.asdict(f) for f in flags]
+  traj.grade = result.details
+  traj.resolved = result.resolved and not guards.is_hack(flags)
+  traj.reward = 0.0 if guards.is_hack(flags) else result.reward
+  traj.wall_s = round(time.perf_counter() - t0, 3)
+  return traj

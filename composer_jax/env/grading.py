@@ -1,0 +1,143 @@
+"""Grade a workspace: fresh copy, tests restored, tests run in a fresh sandbox, junit XML read back.
+
+Resolved means every FAIL_TO_PASS and every PASS_TO_PASS test is reported as passed (a skipped or
+missing test counts as a failure). The exit code of the test command is cross-checked against the
+report: a report that says "all passed" next to a failing exit code (or the reverse) means something
+in the run tampered with it, and the grade is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+
+from composer_jax.env import guards
+from composer_jax.env.sandbox import Limits, Sandbox
+from composer_jax.env.tasks import Task
+
+
+@dataclasses.dataclass
+class GradeResult:
+  reward: float
+  resolved: bool
+  details: dict
+
+
+def _node_id(tc: ET.Element) -> str:
+  """pytest node id from an xunit1 testcase (``file`` + classname remainder + name)."""
+  name = tc.get("name", "")
+  classname = tc.get("classname", "")
+  file = tc.get("file")
+  if file and file.endswith(".py"):
+    module = file[:-3].replace("/", ".").replace(os.sep, ".")
+    if classname == module:
+      return f"{file}::{name}"
+    if classname.startswith(module + "."):
+      return "::".join([file, *classname[len(module) + 1:].split("."), name])
+  return f"{classname}::{name}" if classname else name
+
+
+def parse_junit(path: str) -> dict[str, str]:
+  """{node id: passed|failed|error|skipped}; collection errors are reported under their module."""
+  root = ET.parse(path).getroot()
+  out: dict[str, str] = {}
+  for tc in root.iter("testcase"):
+    kinds = {child.tag for child in tc}
+    if "error" in kinds:
+      outcome = "error"
+    elif "failure" in kinds:
+      outcome = "failed"
+    elif "skipped" in kinds:
+      outcome = "skipped"
+    else:
+      outcome = "passed"
+    nid = _node_id(tc)
+    # A test that errors in teardown appears twice; the worst outcome wins.
+    if out.get(nid) in ("failed", "error") and outcome == "passed":
+      continue
+    out[nid] = outcome
+  return out
+
+
+def test_env(task: Task, root: str) -> dict:
+  setup = task.environment_setup or {}
+  paths = [os.path.join(root, p) for p in setup.get("pythonpath", ["."])]
+  env = {"PYTHONPATH": os.pathsep.join(paths)}
+  env.update(setup.get("env", {}))
+  return env
+
+
+def run_tests(task: Task, root: str, limits: Limits, mode: str = "auto",
+              extra_args: str = "") -> tuple[dict[str, str], int, str, bool]:
+  """Run the task's test command in a fresh sandbox over ``root``.
+
+  Returns (outcomes by node id, exit code, output tail, whether a report was written).
+  """
+  with tempfile.TemporaryDirectory(prefix="cj-report-") as rep:
+    report = os.path.join(rep, "junit.xml")
+    hide = guards.installed_copies(task.package_modules)
+    if task.path:
+      hide.append(task.path)  # the task store (gold, hidden tests) is out of reach
+    sb = Sandbox(root, limits, mode=mode, binds=[rep], hide=hide)
+    cmd = task.test_command.replace("{junitxml}", report)
+    if extra_args:
+      cmd = f"{cmd} {extra_args}"
+    r = sb.run(cmd, env=test_env(task, root), max_output_chars=4000)
+    if not os.path.isfile(report):
+      return {}, r.exit_code, r.output, False
+    try:
+      outcomes = parse_junit(report)
+    except ET.ParseError:
+      return {}, r.exit_code, r.output, False
+    return outcomes, r.exit_code, r.output, True
+
+
+def prepare_grading_copy(task: Task, workspace: str, dest: str) -> dict:
+  """Copy the agent's workspace to ``dest``, clean it and restore every protected file."""
+  shutil.copytree(workspace, dest, symlinks=False, dirs_exist_ok=True,
+                  ignore=shutil.ignore_patterns(".git"))
+  removed = guards.clean_tree(dest)
+  touched = guards.restore_protected(dest, task.protected_dir, task.test_files)
+  return {"removed_junk": removed[:20], "removed_new_test_files": touched[:20]}
+
+
+def verdict(fail_to_pass: list, pass_to_pass: list, outcomes: dict, exit_code: int,
+            have_report: bool = True) -> tuple[bool, dict]:
+  """Resolved iff every listed test is reported passed and the exit code agrees with the report."""
+  f2p = {t: outcomes.get(t, "missing") for t in fail_to_pass}
+  p2p = {t: outcomes.get(t, "missing") for t in pass_to_pass}
+  failed = [t for t, o in {**f2p, **p2p}.items() if o != "passed"]
+  any_bad = any(o in ("failed", "error") for o in outcomes.values())
+  # pytest: 0 = all passed, 1 = some failed; a clean report beside another code is tampering.
+  consistent = have_report and ((exit_code == 0) == (not any_bad)) and exit_code in (0, 1)
+  resolved = bool(have_report and consistent and not failed)
+  return resolved, {
+      "resolved": resolved,
+      "fail_to_pass": {"passed": sum(o == "passed" for o in f2p.values()), "total": len(f2p)},
+      "pass_to_pass": {"passed": sum(o == "passed" for o in p2p.values()), "total": len(p2p)},
+      "failed_tests": {t: f2p.get(t, p2p.get(t)) for t in failed[:20]},
+      "exit_code": exit_code,
+      "report_found": have_report,
+      "report_consistent": bool(consistent),
+  }
+
+
+def grade(task: Task, workspace: str, limits: Limits | None = None, mode: str = "auto") -> GradeResult:
+  """Grade the agent's ``workspace`` for ``task``; the workspace itself is not modified."""
+  t0 = time.perf_counter()
+  limits = limits or Limits(timeout_s=float(task.limits.get("grade_timeout_s", 300)),
+                            max_output_chars=4000)
+  with tempfile.TemporaryDirectory(prefix="cj-grade-") as tmp:
+    dest = os.path.join(tmp, "ws")
+    prep = prepare_grading_copy(task, workspace, dest)
+    outcomes, code, tail, have_report = run_tests(task, dest, limits, mode)
+  resolved, details = verdict(task.FAIL_TO_PASS, task.PASS_TO_PASS, outcomes, code, have_report)
+  details.update(seconds=round(time.perf_counter() - t0, 3), **prep)
+  consistent = details["report_consistent"]
+  if not consistent:
+    details["output_tail"] = tail[-1500:]
+  return GradeResult(1.0 if resolved else 0.0, resolved, details)

@@ -1,0 +1,276 @@
+"""The product's tools: view, create, str_replace, insert, undo, search, find, lint, terminal, submit.
+
+File tools act on the workspace from the host (fast, and confined to the workspace: paths may not
+escape it or touch ``.git``); ``terminal`` and ``lint`` run inside the sandbox. Every result is an
+``Observation`` whose text is what the model sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+import re
+import shutil
+
+from composer_jax.env.protocol import Arg, ToolCall, ToolSpec
+from composer_jax.env.sandbox import Sandbox, clip_output
+
+SPECS: dict[str, ToolSpec] = {s.name: s for s in (
+    ToolSpec("view", "show a file with numbered lines (optionally a range), or list a directory",
+             (Arg("path", doc="file or directory, relative to the workspace"),
+              Arg("start", "int", False, "first line (1-based)"),
+              Arg("end", "int", False, "last line (inclusive; -1 = end of file)"))),
+    ToolSpec("create", "write a new file (or overwrite one) with the given content",
+             (Arg("path"), Arg("content", required=False, doc="the whole file text"))),
+    ToolSpec("str_replace", "replace text that occurs exactly once in a file",
+             (Arg("path"), Arg("old", doc="exact text to find (must match once)"),
+              Arg("new", required=False, doc="replacement (empty = delete)"))),
+    ToolSpec("insert", "insert text after a line (0 = at the top)",
+             (Arg("path"), Arg("line", "int"), Arg("text"))),
+    ToolSpec("undo", "revert the last edit to a file", (Arg("path"),)),
+    ToolSpec("search", "regex search in files: matches per file, first matches shown",
+             (Arg("pattern", doc="Python regular expression"),
+              Arg("path", required=False, doc="file or directory (default: workspace)"),
+              Arg("glob", required=False, doc="only files whose name matches, e.g. *.py"))),
+    ToolSpec("find", "find files whose path matches a glob, e.g. **/test_*.py or *duration*",
+             (Arg("pattern"), Arg("path", required=False))),
+    ToolSpec("lint", "run the ruff linter on a file or directory", (Arg("path", required=False),)),
+    ToolSpec("terminal", "run a shell command in the sandboxed workspace (no network)",
+             (Arg("command"), Arg("timeout", "int", False, "seconds"))),
+    ToolSpec("submit", "finish: the workspace is graded as it is now", ()),
+)}
+
+SKIP_DIRS = {".git", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox", ".venv",
+             "node_modules", ".deps"}
+
+
+@dataclasses.dataclass
+class Observation:
+  tool: str
+  text: str
+  ok: bool = True
+
+
+class ToolError(Exception):
+  pass
+
+
+class ToolBox:
+  """Executes parsed tool calls against one workspace."""
+
+  def __init__(self, sandbox: Sandbox, max_output_chars: int = 8000, max_matches: int = 50,
+               max_view_lines: int = 400):
+    self.sandbox = sandbox
+    self.root = sandbox.workspace
+    self.max_output_chars = max_output_chars
+    self.max_matches = max_matches
+    self.max_view_lines = max_view_lines
+    self.history: dict[str, list[str | None]] = {}  # path -> earlier contents (None = absent)
+    self.submitted = False
+
+  # ---------------------------------------------------------------------------------------------
+  def execute(self, call: ToolCall) -> Observation:
+    fn = getattr(self, f"_tool_{call.name}", None)
+    if fn is None:
+      return Observation(call.name, f"unknown tool {call.name!r}", False)
+    try:
+      text = fn(**call.args)
+      ok = True
+    except ToolError as e:
+      text, ok = str(e), False
+    except (OSError, UnicodeDecodeError) as e:
+      text, ok = f"{type(e).__name__}: {e}", False
+    text, _ = clip_output(text, self.max_output_chars)
+    return Observation(call.name, text, ok)
+
+  def _resolve(self, path: str | None, write: bool = False) -> str:
+    path = (path or ".").strip()
+    full = os.path.realpath(os.path.join(self.root, path))
+    if full != self.root and not full.startswith(self.root + os.sep):
+      raise ToolError(f"{path}: outside the workspace; use a path inside it")
+    rel = os.path.relpath(full, self.root)
+    if write and (rel == ".git" or rel.startswith(".git" + os.sep)):
+      raise ToolError(f"{path}: .git is read-only for the tools")
+    return full
+
+  def _rel(self, full: str) -> str:
+    return os.path.relpath(full, self.root)
+
+  def _read(self, full: str) -> str:
+    if not os.path.isfile(full):
+      raise ToolError(f"{self._rel(full)}: no such file")
+    with open(full, encoding="utf-8", errors="replace", newline="") as f:
+      return f.read()
+
+  def _write(self, full: str, text: str) -> None:
+    old = None
+    if os.path.exists(full):
+      with open(full, encoding="utf-8", errors="replace", newline="") as f:
+        old = f.read()
+    self.history.setdefault(full, []).append(old)
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    with open(full, "w", encoding="utf-8", newline="") as f:
+      f.write(text)
+
+  # ---------------------------------------------------------------------------------------------
+  def _tool_view(self, path: str, start: int | None = None, end: int | None = None) -> str:
+    full = self._resolve(path)
+    if os.path.isdir(full):
+      entries = []
+      for name in sorted(os.listdir(full)):
+        if name in SKIP_DIRS:
+          continue
+        entries.append(name + ("/" if os.path.isdir(os.path.join(full, name)) else ""))
+      return f"{self._rel(full)}/ ({len(entries)} entries)\n" + "\n".join(entries)
+    lines = self._read(full).splitlines()
+    n = len(lines)
+    lo = 1 if start is None else start
+    hi = n if end is None or end == -1 else end
+    if n == 0:
+      return f"{self._rel(full)} is empty"
+    if not 1 <= lo <= n or hi < lo:
+      raise ToolError(f"line range {lo}..{hi} is outside {self._rel(full)} (1..{n})")
+    hi = min(hi, n)
+    note = ""
+    if hi - lo + 1 > self.max_view_lines:
+      hi = lo + self.max_view_lines - 1
+      note = f"\n[showing {lo}..{hi} of {n} lines; view a range to see more]"
+    body = "\n".join(f"{i:6d}\t{lines[i - 1]}" for i in range(lo, hi + 1))
+    return body + note
+
+  def _tool_create(self, path: str, content: str = "") -> str:
+    full = self._resolve(path, write=True)
+    if os.path.isdir(full):
+      raise ToolError(f"{path}: is a directory")
+    existed = os.path.exists(full)
+    self._write(full, content)
+    n = content.count("\n") + (0 if content.endswith("\n") or not content else 1)
+    return f"{'overwrote' if existed else 'created'} {self._rel(full)} ({n} lines)"
+
+  def _tool_str_replace(self, path: str, old: str, new: str = "") -> str:
+    full = self._resolve(path, write=True)
+    text = self._read(full)
+    if not old:
+      raise ToolError("<old> is empty; give the exact text to replace")
+    count = text.count(old)
+    if count != 1:
+      if count == 0:
+        raise ToolError(f"no match for <old> in {self._rel(full)}; nothing changed (check whitespace)")
+      starts = [m.start() for m in re.finditer(re.escape(old), text)]
+      lines = [text.count("\n", 0, s) + 1 for s in starts]
+      raise ToolError(f"<old> matches {count} times in {self._rel(full)} (lines "
+                      f"{', '.join(map(str, lines[:20]))}); nothing changed: include more context")
+    at = text.index(old)
+    self._write(full, text[:at] + new + text[at + len(old):])
+    first = text.count("\n", 0, at) + 1
+    new_lines = text[:at].count("\n") + new.count("\n")
+    return f"edited {self._rel(full)}\n" + self._snippet(full, first, new_lines + 1)
+
+  def _snippet(self, full: str, first: int, last: int, ctx: int = 3) -> str:
+    lines = self._read(full).splitlines()
+    lo, hi = max(1, first - ctx), min(len(lines), last + ctx)
+    return "\n".join(f"{i:6d}\t{lines[i - 1]}" for i in range(lo, hi + 1))
+
+  def _tool_insert(self, path: str, line: int, text: str) -> str:
+    full = self._resolve(path, write=True)
+    old = self._read(full)
+    lines = old.splitlines(keepends=True)
+    if not 0 <= line <= len(lines):
+      raise ToolError(f"<line> {line} is outside 0..{len(lines)} for {self._rel(full)}")
+    if lines and not lines[-1].endswith("\n") and line == len(lines):
+      lines[-1] += "\n"
+    block = text if text.endswith("\n") else text + "\n"
+    lines.insert(line, block)
+    self._write(full, "".join(lines))
+    added = block.count("\n")
+    return f"inserted {added} line(s) after line {line} of {self._rel(full)}\n" + \
+        self._snippet(full, line + 1, line + added)
+
+  def _tool_undo(self, path: str) -> str:
+    full = self._resolve(path, write=True)
+    stack = self.history.get(full)
+    if not stack:
+      raise ToolError(f"no edit to undo for {self._rel(full)}")
+    old = stack.pop()
+    if old is None:
+      os.remove(full)
+      return f"undid the creation of {self._rel(full)} (file removed)"
+    with open(full, "w", encoding="utf-8", newline="") as f:
+      f.write(old)
+    return f"reverted the last edit to {self._rel(full)}"
+
+  def _walk(self, full: str):
+    if os.path.isfile(full):
+      yield full
+      return
+    for dirpath, dirnames, filenames in os.walk(full):
+      dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info"))
+      for name in sorted(filenames):
+        yield os.path.join(dirpath, name)
+
+  def _tool_search(self, pattern: str, path: str | None = None, glob: str | None = None) -> str:
+    try:
+      rx = re.compile(pattern)
+    except re.error as e:
+      raise ToolError(f"bad regular expression {pattern!r}: {e}") from None
+    full = self._resolve(path)
+    shown, total, per_file = [], 0, []
+    for f in self._walk(full):
+      if glob and not fnmatch.fnmatch(os.path.basename(f), glob):
+        continue
+      try:
+        with open(f, encoding="utf-8") as fh:
+          lines = fh.read().splitlines()
+      except (UnicodeDecodeError, OSError):
+        continue  # binary
+      hits = 0
+      for i, line in enumerate(lines, 1):
+        if rx.search(line):
+          hits += 1
+          if len(shown) < self.max_matches:
+            shown.append(f"{self._rel(f)}:{i}: {line[:200]}")
+      if hits:
+        per_file.append((self._rel(f), hits))
+        total += hits
+    if not total:
+      return f"no matches for {pattern!r}"
+    head = f"{total} matches in {len(per_file)} files"
+    counts = "\n".join(f"  {p}: {c}" for p, c in per_file[:self.max_matches])
+    more = f"\n[showing the first {len(shown)} of {total} matches]" if total > len(shown) else ""
+    return f"{head}\n{counts}\n\n" + "\n".join(shown) + more
+
+  def _tool_find(self, pattern: str, path: str | None = None) -> str:
+    full = self._resolve(path)
+    hits = []
+    for f in self._walk(full):
+      rel = self._rel(f)
+      if fnmatch.fnmatch(rel, pattern) or fnmatch.fnmatch(os.path.basename(f), pattern):
+        hits.append(rel)
+    if not hits:
+      return f"no files match {pattern!r}"
+    more = f"\n[showing {self.max_matches} of {len(hits)}]" if len(hits) > self.max_matches else ""
+    return f"{len(hits)} files\n" + "\n".join(hits[:self.max_matches]) + more
+
+  def _tool_lint(self, path: str | None = None) -> str:
+    full = self._resolve(path)
+    ruff = shutil.which("ruff")
+    cmd = ([ruff] if ruff else ["python", "-m", "ruff"]) + [
+        "check", "--no-cache", "--output-format", "concise", "--isolated", "--select", "E9,F",
+        os.path.relpath(full, self.root)]
+    r = self.sandbox.run(cmd, max_output_chars=self.max_output_chars)
+    if r.exit_code not in (0, 1):
+      raise ToolError(f"the linter failed (exit {r.exit_code}):\n{r.output}")
+    return r.output.strip() or "no problems found"
+
+  def _tool_terminal(self, command: str, timeout: int | None = None) -> str:
+    limit = self.sandbox.limits.timeout_s
+    t = limit if timeout is None else max(1, min(timeout, limit))
+    r = self.sandbox.run(command, timeout=t, max_output_chars=self.max_output_chars)
+    if r.timed_out:
+      raise ToolError(r.output)
+    return f"{r.output.rstrip()}\n[exit code {r.exit_code}]"
+
+  def _tool_submit(self) -> str:
+    self.submitted = True
+    return "submitted; the workspace will be graded"

@@ -1,0 +1,49 @@
+"""``composer-jax eval --tasks DIR --policy oracle|null|CHECKPOINT --samples N --out DIR``."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from composer_jax.config import ConfigError, load_config
+
+
+def register(subparsers) -> None:
+  p = subparsers.add_parser("eval", help="run a policy on a task set; pass@k, tokens, a plot")
+  p.add_argument("--tasks", required=True, help="folder of task directories (tasks generate --out)")
+  p.add_argument("--policy", required=True, help="oracle | null | a checkpoint path")
+  p.add_argument("--samples", type=int, default=None, help="samples per task (default eval.samples)")
+  p.add_argument("--out", required=True, help="output folder: summary.json, trajectories, PNG")
+  p.add_argument("--limit", type=int, default=None, help="only the first N tasks")
+  p.add_argument("--config", default=None)
+  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+  p.set_defaults(func=_eval)
+
+
+def _eval(args) -> int:
+  from composer_jax.env.sandbox import Limits
+  from composer_jax.env.tasks import TaskError, load_tasks
+  from composer_jax.eval.harness import PolicyError, make_policy_factory, run_eval
+  cfg = load_config(args.config, args.overrides)
+  samples = cfg.eval.samples if args.samples is None else args.samples
+  if samples < 1:
+    raise ConfigError(f"--samples {samples} must be >= 1")
+  try:
+    factory = make_policy_factory(args.policy)
+  except PolicyError as e:
+    raise ConfigError(str(e)) from None
+  try:
+    tasks = load_tasks(args.tasks)
+  except TaskError as e:
+    raise ConfigError(str(e)) from None
+  if args.limit:
+    tasks = tasks[:args.limit]
+  e = cfg.env
+  limits = Limits(timeout_s=e.timeout_s, memory_mb=e.memory_mb, max_procs=e.max_procs,
+                  max_file_mb=e.max_file_mb, max_output_chars=e.max_output_chars)
+  os.makedirs(args.out, exist_ok=True)
+  summary = run_eval(tasks, factory, samples, args.out, ks=cfg.eval.k, limits=limits,
+                     mode=e.sandbox, max_turns=e.max_turns, workers=cfg.eval.workers,
+                     verbose_prompt=e.verbose_prompt)
+  print(json.dumps({k: v for k, v in summary.items() if k != "per_task"}, indent=1))
+  return 0

@@ -1,0 +1,75 @@
+"""The product's tools against a scratch workspace."""
+
+from __future__ import annotations
+
+import pytest
+
+from composer_jax.env.protocol import ToolCall
+from composer_jax.env.sandbox import Limits, Sandbox
+from composer_jax.env.tools import ToolBox
+
+
+@pytest.fixture
+def box(tmp_path):
+  (tmp_path / "pkg").mkdir()
+  (tmp_path / "pkg" / "m.py").write_text("a = 1\nb = 2\na = 1\nprint(undefined_name)\n")
+  (tmp_path / "notes.txt").write_text("alpha\nbeta\nalpha beta\n")
+  return ToolBox(Sandbox(str(tmp_path), Limits(timeout_s=20)), max_matches=2), tmp_path
+
+
+def call(box, name, **args):
+  return box.execute(ToolCall(name, args))
+
+
+def test_view_numbered_ranges_and_dirs(box):
+  tb, _ = box
+  o = call(tb, "view", path="pkg/m.py", start=2, end=3)
+  assert o.ok and o.text == "     2\tb = 2\n     3\ta = 1"
+  assert "m.py" in call(tb, "view", path="pkg").text
+  assert not call(tb, "view", path="pkg/m.py", start=9).ok
+  assert not call(tb, "view", path="../etc/passwd").ok
+
+
+def test_str_replace_exactly_once_and_undo(box):
+  tb, root = box
+  before = (root / "pkg/m.py").read_text()
+  o = call(tb, "str_replace", path="pkg/m.py", old="a = 1", new="a = 3")
+  assert not o.ok and "2 times" in o.text and "lines 1, 3" in o.text
+  assert (root / "pkg/m.py").read_text() == before  # nothing changed
+  assert not call(tb, "str_replace", path="pkg/m.py", old="zzz", new="").ok
+  o = call(tb, "str_replace", path="pkg/m.py", old="b = 2", new="b = 20")
+  assert o.ok and "b = 20" in (root / "pkg/m.py").read_text()
+  assert call(tb, "undo", path="pkg/m.py").ok
+  assert (root / "pkg/m.py").read_text() == before
+  assert not call(tb, "undo", path="pkg/m.py").ok
+
+
+def test_create_insert_undo(box):
+  tb, root = box
+  assert call(tb, "create", path="new/x.py", content="one\nthree\n").ok
+  assert call(tb, "insert", path="new/x.py", line=1, text="two").ok
+  assert (root / "new/x.py").read_text() == "one\ntwo\nthree\n"
+  assert call(tb, "undo", path="new/x.py").ok and (root / "new/x.py").read_text() == "one\nthree\n"
+  assert call(tb, "undo", path="new/x.py").ok and not (root / "new/x.py").exists()
+  assert not call(tb, "create", path=".git/config", content="x").ok
+
+
+def test_search_counts_and_cap(box):
+  tb, _ = box
+  o = call(tb, "search", pattern="alpha|a = 1")
+  assert o.ok and o.text.startswith("4 matches in 2 files")
+  assert "showing the first 2 of 4" in o.text
+  assert "no matches" in call(tb, "search", pattern="gamma").text
+  assert not call(tb, "search", pattern="(").ok
+  assert "1 files\npkg/m.py" in call(tb, "find", pattern="*.py").text
+
+
+def test_lint_and_terminal(box):
+  tb, _ = box
+  o = call(tb, "lint", path="pkg/m.py")
+  assert o.ok and "F821" in o.text and "undefined_name" in o.text
+  o = call(tb, "terminal", command="echo $((6*7)); exit 4")
+  assert o.ok and "42" in o.text and "[exit code 4]" in o.text
+  o = call(tb, "terminal", command="sleep 5", timeout=1)
+  assert not o.ok and "timed out" in o.text
+  assert call(tb, "submit").ok and tb.submitted
