@@ -2,28 +2,209 @@
 
 ``gmm(lhs[m,k], rhs[g,k,n], group_sizes[g]) -> [m,n]``; rows past ``sum(group_sizes)`` give zeros.
 ``tgmm(lhs[m,k], grad[m,n], group_sizes[g]) -> [g,k,n]`` is the weight-gradient product.
+
+Backends (``impl``): ``xla`` (lax.ragged_dot), ``sorted`` (block layout + batched einsum, the CPU
+path), ``pallas`` (Mosaic kernels on TPU, Triton kernels on GPU), ``interpret`` (the Pallas kernels in
+interpret mode on CPU; ``interpret_target`` picks the GPU kernels or the TPU kernels in TPU interpret
+mode), ``auto`` (pallas on GPU/TPU, sorted on CPU). All but bf16 ``xla`` run on the block layout under
+one custom VJP: dlhs = gmm(grad, rhs^T), drhs = tgmm(lhs, grad).
+
+``precision`` (bf16 | fp8_block | mxfp8 | nvfp4) quantizes the operands of all three products in the
+recipe's formats (kernels.quant.fake_quant: exactly the values a block-scaled kernel multiplies) and
+accumulates in float32; the master weights and the cotangents handed back stay full precision.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from composer_jax.kernels import gmm_pallas_gpu, gmm_pallas_tpu, gmm_sorted
+from composer_jax.kernels.gmm_layout import from_blocks, make_layout, to_blocks
+from composer_jax.kernels.quant import (
+  fake_quant,
+  quantize_fp8_rowwise,
+  quantize_fp8_tile,
+)
+
+IMPLS = ("auto", "xla", "sorted", "pallas", "interpret")
+PRECISIONS = ("bf16", "fp8_block", "mxfp8", "nvfp4")
+
+# recipe -> formats for (fwd lhs along k, fwd rhs along k, grad along n, rhs along n,
+#                        wgrad lhs along m, wgrad grad along m), and the contraction multiple needed
+RECIPES = {
+    "mxfp8": (("mxfp8_e4m3", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp8_e4m3", "mxfp8_e4m3", "mxfp8_e5m2"),
+              32),
+    "nvfp4": (("nvfp4",) * 6, 16),
+    "fp8_block": (("fp8_row", "fp8_tile", "fp8_row", "fp8_tile", "fp8_row", "fp8_row"), 128),
+}
+
+
+def _resolve_impl(impl: str) -> str:
+  if impl not in IMPLS:
+    raise ValueError(f"gmm: impl={impl!r} is not one of {IMPLS}")
+  if impl == "auto":
+    return "pallas" if jax.default_backend() in ("gpu", "tpu") else "sorted"
+  return impl
+
+
+def default_block_rows(impl: str, m: int, g: int, precision: str) -> int:
+  """Rows per block. CPU (sorted): about a quarter of the mean group size, so padding each group's
+  last block wastes ~1/8 of the rows, clamped to [64, 256] so each dot stays matmul-shaped.
+  Kernels: 128 (MXU / tensor-core tile)."""
+  if impl == "sorted":
+    target = max(m // max(4 * g, 1), 1)
+    bm = min(max(1 << (target.bit_length() - 1), 64), 256)
+  else:
+    bm = 128
+  if precision != "bf16":  # token-axis scale blocks must not straddle two groups
+    mult = RECIPES[precision][1]
+    bm = -(-bm // mult) * mult
+  return bm
+
+
+def _backend(impl: str, interpret_target: str):
+  """(gmm_blocks, tgmm_blocks) for a resolved impl."""
+  if impl == "sorted":
+    return gmm_sorted.gmm_blocks, gmm_sorted.tgmm_blocks
+  if impl == "xla":
+    return _xla_gmm_blocks, _xla_tgmm_blocks
+  if impl == "interpret":
+    mod = gmm_pallas_tpu if interpret_target == "tpu" else gmm_pallas_gpu
+    return (functools.partial(mod.gmm_blocks, interpret=True),
+            functools.partial(mod.tgmm_blocks, interpret=True))
+  mod = gmm_pallas_tpu if jax.default_backend() == "tpu" else gmm_pallas_gpu
+  return mod.gmm_blocks, mod.tgmm_blocks
+
+
+def _padded_sizes(layout, block_rows):
+  return (layout.group_block_start[1:] - layout.group_block_start[:-1]) * block_rows
+
+
+def _xla_gmm_blocks(xp, rhs, layout, block_rows, *, transpose_rhs=False, out_dtype=None):
+  w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+  return jax.lax.ragged_dot(xp, w, _padded_sizes(layout, block_rows),
+                            preferred_element_type=out_dtype or xp.dtype)
+
+
+def _xla_tgmm_blocks(xp, gp, layout, block_rows, num_groups, *, out_dtype=None):
+  dn = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[])
+  return jax.lax.ragged_dot_general(xp, gp, _padded_sizes(layout, block_rows)[:num_groups], dn,
+                                    preferred_element_type=out_dtype or xp.dtype)
+
+
+def _fp8_kernel_product(impl, interpret_target):
+  """The true FP8 Pallas product (E4M3 operands + float32 block scales) when the fp8_block recipe
+  runs on the GPU kernels (or those kernels in interpret mode); else None (dequantized operands)."""
+  if impl == "interpret" and interpret_target == "gpu":
+    return functools.partial(gmm_pallas_gpu.gmm_fp8_blocks, interpret=True)
+  if impl == "pallas" and jax.default_backend() == "gpu":
+    return gmm_pallas_gpu.gmm_fp8_blocks
+  return None
+
+
+def _fp8_product(prod, x, w, layout, block_rows, transpose_rhs):
+  xq, xs = quantize_fp8_rowwise(x, 1)
+  wq, ws = quantize_fp8_tile(w)
+  return prod(xq, xs, wq, ws, layout, block_rows, transpose_rhs=transpose_rhs)
+
+
+def _q(x, axis, fmt):
+  return x if fmt is None else fake_quant(x, axis, fmt)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _gmm_padded(xp, rhs, layout, impl, precision, block_rows, interpret_target):
+  out, _ = _gmm_padded_fwd(xp, rhs, layout, impl, precision, block_rows, interpret_target)
+  return out
+
+
+def _gmm_padded_fwd(xp, rhs, layout, impl, precision, block_rows, interpret_target):
+  fwd, _ = _backend(impl, interpret_target)
+  fmts = RECIPES[precision][0] if precision != "bf16" else (None,) * 6
+  fp8 = _fp8_kernel_product(impl, interpret_target) if precision == "fp8_block" else None
+  if fp8 is not None:
+    return _fp8_product(fp8, xp, rhs, layout, block_rows, False), (xp, rhs, layout)
+  out = fwd(_q(xp, 1, fmts[0]), _q(rhs, 1, fmts[1]), layout, block_rows, out_dtype=jnp.float32)
+  return out, (xp, rhs, layout)
+
+
+def _gmm_padded_bwd(impl, precision, block_rows, interpret_target, res, ct):
+  xp, rhs, layout = res
+  fwd, tg = _backend(impl, interpret_target)
+  fmts = RECIPES[precision][0] if precision != "bf16" else (None,) * 6
+  ct = ct.astype(jnp.float32) if precision != "bf16" else ct.astype(xp.dtype)
+  # (fp8_tile's 128x128 tiles serve both contraction axes of rhs)
+  fp8 = _fp8_kernel_product(impl, interpret_target) if precision == "fp8_block" else None
+  if fp8 is not None:
+    dx = _fp8_product(fp8, ct, rhs, layout, block_rows, True)
+  else:
+    dx = fwd(_q(ct, 1, fmts[2]), _q(rhs, 2, fmts[3]), layout, block_rows, transpose_rhs=True,
+             out_dtype=jnp.float32)
+  drhs = tg(_q(xp, 0, fmts[4]), _q(ct, 0, fmts[5]), layout, block_rows, rhs.shape[0],
+            out_dtype=jnp.float32)
+  return dx.astype(xp.dtype), drhs.astype(rhs.dtype), None
+
+
+_gmm_padded.defvjp(_gmm_padded_fwd, _gmm_padded_bwd)
+
+
+def _check(lhs, rhs, group_sizes, impl, precision):
+  if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.ndim != 1:
+    raise ValueError(f"gmm: need lhs[m,k], rhs[g,k,n], group_sizes[g]; got {lhs.shape}, "
+                     f"{rhs.shape}, {group_sizes.shape}")
+  if lhs.shape[1] != rhs.shape[1] or rhs.shape[0] != group_sizes.shape[0]:
+    raise ValueError(f"gmm: lhs {lhs.shape} / rhs {rhs.shape} / group_sizes {group_sizes.shape} "
+                     "disagree on k or g")
+  if precision not in PRECISIONS:
+    raise ValueError(f"gmm: precision={precision!r} is not one of {PRECISIONS}")
+  if precision != "bf16":
+    mult = RECIPES[precision][1]
+    if lhs.shape[1] % mult or rhs.shape[2] % mult:
+      raise ValueError(f"gmm: precision={precision} needs k and n multiples of {mult}; got "
+                       f"k={lhs.shape[1]}, n={rhs.shape[2]} (use gmm_precision=bf16 or resize)")
+  _resolve_impl(impl)
 
 
 def gmm(lhs, rhs, group_sizes, *, impl: str = "auto", precision: str = "bf16",
-        preferred_element_type=None):
-  """Grouped matmul through XLA's ragged_dot (reference path)."""
-  del impl, precision
+        preferred_element_type=None, block_rows: int | None = None,
+        interpret_target: str = "gpu"):
+  """Grouped matmul ``[m,k] x [g,k,n] -> [m,n]``, differentiable in lhs and rhs."""
+  _check(lhs, rhs, group_sizes, impl, precision)
+  impl = _resolve_impl(impl)
   out_dtype = preferred_element_type or lhs.dtype
-  return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
-                            preferred_element_type=out_dtype)
+  if impl == "xla" and precision == "bf16":  # ragged_dot with its own autodiff: the contrast path
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
+                              preferred_element_type=out_dtype)
+  m, g = lhs.shape[0], rhs.shape[0]
+  bm = block_rows or default_block_rows(impl, m, g, precision)
+  layout = make_layout(group_sizes, m, bm)
+  xp = to_blocks(lhs, layout.src, layout.dest)
+  yp = _gmm_padded(xp, rhs, layout, impl, precision, bm, interpret_target)
+  return from_blocks(yp, layout.src, layout.dest).astype(out_dtype)
 
 
-def tgmm(lhs, grad, group_sizes, *, num_groups: int | None = None):
-  """Per-group lhs^T @ grad (the weight gradient of gmm), reference path."""
+def tgmm(lhs, grad, group_sizes, *, num_groups: int | None = None, impl: str = "auto",
+         block_rows: int | None = None, interpret_target: str = "gpu"):
+  """Per-group ``lhs^T @ grad`` -> [g,k,n] (the weight gradient of gmm)."""
   g = num_groups if num_groups is not None else group_sizes.shape[0]
+  impl = _resolve_impl(impl)
+  m = lhs.shape[0]
+  bm = block_rows or default_block_rows(impl, m, g, "bf16")
+  layout = make_layout(group_sizes[:g], m, bm)
+  xp = to_blocks(lhs, layout.src, layout.dest)
+  gp = to_blocks(grad, layout.src, layout.dest)
+  _, tg = _backend(impl, interpret_target)
+  return tg(xp, gp, layout, bm, g, out_dtype=jnp.float32).astype(lhs.dtype)
+
+
+def gmm_reference(lhs, rhs, group_sizes):
+  """Plain-JAX definition (masked dense product over all groups): the tests' autodiff reference."""
   ends = jnp.cumsum(group_sizes)
   starts = ends - group_sizes
   rows = jnp.arange(lhs.shape[0])
   mask = (rows[None, :] >= starts[:, None]) & (rows[None, :] < ends[:, None])  # [g, m]
-  return jnp.einsum("gm,mk,mn->gkn", mask[:g].astype(lhs.dtype), lhs, grad)
+  return jnp.einsum("gm,mk,gkn->mn", mask.astype(lhs.dtype), lhs, rhs)

@@ -1,0 +1,177 @@
+"""Grouped matmul backends vs a float64 NumPy reference; gradients vs jax.grad of the plain-JAX
+definition; the low-precision recipes vs products of reference-quantized operands."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from composer_jax.kernels import gmm, gmm_reference, tgmm
+
+from tests.kernels.kernels_ref import ref_mxfp8_dequant
+
+# (impl, interpret_target): every backend, the Pallas ones in (GPU-style and TPU) interpret mode
+BACKENDS = [("xla", "gpu"), ("sorted", "gpu"), ("interpret", "gpu"), ("interpret", "tpu")]
+
+# m, k, n, group sizes: uneven, empty groups (first / middle / last), rows past the groups' sum
+CASES = [
+    (100, 64, 48, [30, 0, 41, 7, 12]),
+    (72, 32, 64, [0, 0, 72]),
+    (64, 48, 32, [13, 25, 0, 9, 0, 0]),
+]
+
+
+def _fwd_bwd(f):
+  """jit(x, w, ct -> (f(x, w), dx, dw)): one compile instead of op-by-op dispatch."""
+  def run(a, b, c):
+    y, vjp = jax.vjp(f, a, b)
+    return (y, *vjp(c))
+  return jax.jit(run)
+
+
+def _np_gmm(x, w, sizes):
+  out = np.zeros((x.shape[0], w.shape[2]))
+  s = 0
+  for i, c in enumerate(sizes):
+    out[s:s + c] = x[s:s + c].astype(np.float64) @ w[i].astype(np.float64)
+    s += c
+  return out
+
+
+def _np_tgmm(x, gr, sizes):
+  out = np.zeros((len(sizes), x.shape[1], gr.shape[1]))
+  s = 0
+  for i, c in enumerate(sizes):
+    out[i] = x[s:s + c].astype(np.float64).T @ gr[s:s + c].astype(np.float64)
+    s += c
+  return out
+
+
+@pytest.fixture(scope="module")
+def data():
+  rng = np.random.default_rng(0)
+  out = []
+  for m, k, n, sizes in CASES:
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((len(sizes), k, n)).astype(np.float32)
+    ct = rng.standard_normal((m, n)).astype(np.float32)
+    out.append((x, w, np.array(sizes, np.int32), ct))
+  return out
+
+
+@pytest.mark.parametrize("impl,target", BACKENDS)
+def test_gmm_forward_and_tgmm(data, impl, target):
+  kw = {"impl": impl, "block_rows": 16, "interpret_target": target}
+  # TPU interpret mode simulates DMAs and is slow on CPU: one case (uneven + empty groups) there
+  for x, w, sizes, ct in (data[:1] if target == "tpu" else data):
+    y = jax.jit(lambda a, b, s: gmm(a, b, s, **kw))(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes))
+    np.testing.assert_allclose(np.asarray(y), _np_gmm(x, w, sizes), rtol=1e-5, atol=1e-4)
+    t = jax.jit(lambda a, c, s: tgmm(a, c, s, **kw))(jnp.asarray(x), jnp.asarray(ct),
+                                                     jnp.asarray(sizes))
+    np.testing.assert_allclose(np.asarray(t), _np_tgmm(x, ct, sizes), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl,target", BACKENDS)
+def test_gmm_gradients(data, impl, target):
+  x, w, sizes, ct = data[0]
+  args = (jnp.asarray(x), jnp.asarray(w))
+  gs = jnp.asarray(sizes)
+  f = lambda a, b: gmm(a, b, gs, impl=impl, block_rows=16, interpret_target=target)
+  _, dx, dw = _fwd_bwd(f)(*args, jnp.asarray(ct))
+  _, rx, rw = _fwd_bwd(lambda a, b: gmm_reference(a, b, gs))(*args, jnp.asarray(ct))
+  for got, want in [(dx, rx), (dw, rw)]:
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+  # and against float64 NumPy: dlhs = ct @ w^T per group, drhs = tgmm(x, ct)
+  np.testing.assert_allclose(np.asarray(dx), _np_gmm(ct, np.swapaxes(w, 1, 2), sizes),
+                             rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(dw), _np_tgmm(x, ct, sizes), rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_inputs_and_jit(data):
+  x, w, sizes, _ = data[0]
+  xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+  f = jax.jit(lambda a, b, s: gmm(a, b, s, impl="sorted"))
+  y = f(xb, wb, jnp.asarray(sizes))
+  assert y.dtype == jnp.bfloat16
+  want = _np_gmm(np.asarray(xb, np.float32), np.asarray(wb, np.float32), sizes)
+  np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2e-2, atol=5e-2)
+  y32 = gmm(xb, wb, jnp.asarray(sizes), impl="sorted", preferred_element_type=jnp.float32)
+  assert y32.dtype == jnp.float32
+
+
+def test_bad_input_messages(data):
+  x, w, sizes, _ = data[0]
+  with pytest.raises(ValueError, match="impl="):
+    gmm(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), impl="cuda")
+  with pytest.raises(ValueError, match="multiples of 128"):
+    gmm(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), precision="fp8_block")
+
+
+def _group_padded_mx(a, sizes, elem):
+  """Reference quantization along the token axis: each group's rows padded to 32-row blocks."""
+  out = np.zeros(a.shape)
+  s = 0
+  for c in sizes:
+    if c == 0:
+      continue
+    rows = -(-c // 32) * 32
+    blk = np.zeros((rows, a.shape[1]), np.float32)
+    blk[:c] = a[s:s + c]
+    out[s:s + c] = ref_mxfp8_dequant(blk, elem, axis=0)[:c]
+    s += c
+  return out
+
+
+@pytest.mark.parametrize("impl,target", [("sorted", "gpu"), ("interpret", "gpu")])
+def test_mxfp8_gmm_matches_reference_quantization(impl, target):
+  rng = np.random.default_rng(1)
+  m, k, n, sizes = 96, 64, 32, np.array([40, 0, 33, 20], np.int32)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = (rng.standard_normal((4, k, n)) * 0.1).astype(np.float32)
+  ct = rng.standard_normal((m, n)).astype(np.float32)
+  f = lambda a, b: gmm(a, b, jnp.asarray(sizes), impl=impl, precision="mxfp8",
+                       interpret_target=target)
+  y, dx, dw = _fwd_bwd(f)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ct))
+  # forward: E4M3 operands with blocks along k
+  want = _np_gmm(ref_mxfp8_dequant(x, "e4m3", -1), ref_mxfp8_dequant(w, "e4m3", 1), sizes)
+  np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+  # dgrad: E5M2 gradient and E4M3 weight, both with blocks along n
+  want_dx = _np_gmm(ref_mxfp8_dequant(ct, "e5m2", -1),
+                    np.swapaxes(ref_mxfp8_dequant(w, "e4m3", 2), 1, 2), sizes)
+  np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-5)
+  # wgrad: blocks along tokens, per group
+  want_dw = _np_tgmm(_group_padded_mx(x, sizes, "e4m3"), _group_padded_mx(ct, sizes, "e5m2"), sizes)
+  np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-5)
+  # and the quantized products stay close to the exact ones
+  exact = _np_gmm(x, w, sizes)
+  assert np.abs(np.asarray(y) - exact).max() < 0.1 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("precision,tol", [("fp8_block", 0.08), ("nvfp4", 0.35)])
+def test_other_recipes_close_to_exact(precision, tol):
+  rng = np.random.default_rng(2)
+  m, k, n, sizes = 160, 128, 128, np.array([70, 0, 90], np.int32)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = (rng.standard_normal((3, k, n)) * 0.1).astype(np.float32)
+  ct = rng.standard_normal((m, n)).astype(np.float32)
+  f = lambda a, b: gmm(a, b, jnp.asarray(sizes), impl="sorted", precision=precision)
+  y, dx, dw = _fwd_bwd(f)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ct))
+  for got, want in [(y, _np_gmm(x, w, sizes)), (dx, _np_gmm(ct, np.swapaxes(w, 1, 2), sizes)),
+                    (dw, _np_tgmm(x, ct, sizes))]:
+    rel = np.linalg.norm(np.asarray(got) - want) / np.linalg.norm(want)
+    assert 0 < rel < tol, rel  # quantized (not exact), but within the format's noise
+
+
+def test_fp8_block_kernel_matches_dequantized_path():
+  """The true-FP8 Pallas kernel (E4M3 operands, float32 1x128 / 128x128 scales applied per k slice)
+  computes the same products as the dequantized recipe, fwd and dgrad."""
+  rng = np.random.default_rng(3)
+  m, k, n, sizes = 200, 256, 128, jnp.asarray([120, 0, 60])
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((3, k, n)) * 0.1, jnp.float32)
+  ct = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  got = _fwd_bwd(lambda a, b: gmm(a, b, sizes, impl="interpret", precision="fp8_block"))(x, w, ct)
+  want = _fwd_bwd(lambda a, b: gmm(a, b, sizes, impl="sorted", precision="fp8_block"))(x, w, ct)
+  for g_, w_ in zip(got, want, strict=True):
+    np.testing.assert_allclose(np.asarray(g_), np.asarray(w_), rtol=1e-5, atol=1e-4)
