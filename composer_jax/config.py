@@ -384,6 +384,11 @@ def validate(cfg: Config) -> None:
     if m.n_group > 1 and m.scoring == "sigmoid":
       _require(per_group >= 2, "model.n_group: group-limited sigmoid routing scores a group by its "
                "top-2 experts, so each group needs >= 2 experts; lower n_group")
+  block = {"fp8_block": 128, "mxfp8": 32, "nvfp4": 16}.get(m.gmm_precision)
+  if block and m.n_moe_layers > 0:
+    _require(m.d_model % block == 0 and m.moe_ffn_dim % block == 0,
+             f"model.gmm_precision={m.gmm_precision} quantizes blocks of {block}: model.d_model="
+             f"{m.d_model} and model.moe_ffn_dim={m.moe_ffn_dim} must both be multiples of {block}")
   _require(m.yarn_factor >= 1.0, f"model.yarn_factor={m.yarn_factor} must be >= 1 (1 = plain RoPE)")
   _require(m.mtp_depths >= 0, "model.mtp_depths must be >= 0")
   _require(m.rms_eps > 0, "model.rms_eps must be positive")

@@ -39,6 +39,7 @@ def test_base_include_and_overrides():
     ("data.seq_len=100000", "data.seq_len"),
     ("model.scoring=relu", "model.scoring"),
     ("mesh.data=-1", "mesh"),
+    ("model.gmm_precision=fp8_block", "model.gmm_precision"),
 ])
 def test_bad_values_name_the_field(override, field):
   over = [override] + (["mesh.fsdp=-1"] if override == "mesh.data=-1" else [])
