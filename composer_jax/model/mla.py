@@ -53,6 +53,9 @@ class MLA(nnx.Module):
                        ("kv_lora", "heads", "head_dim"), cfg, rngs)
     self.o_proj = Linear(h * cfg.v_head_dim, (d,), ("heads", "embed"), cfg, rngs)
     self.scale = softmax_scale(cfg)
+    # Off by default; the train step turns it on with model.set_attributes(record_max_logit=True)
+    # and reads the values with nnx.pop(model, nnx.Intermediate).
+    self.record_max_logit = False
 
   def _query(self, x, cos, sin):
     cfg = self.cfg
@@ -95,6 +98,9 @@ class MLA(nnx.Module):
               + jnp.einsum("bqhd,bkd->bhqk", q_pe, k_pe, preferred_element_type=jnp.float32))
     idx = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
     mask = attention_mask(idx, idx, seg, seg)
+    if self.record_max_logit:  # per-head max attention logit for QK-clip (MuonClip)
+      self.sow(nnx.Intermediate, "max_logit",
+               jnp.max(jnp.where(mask, scores * self.scale, NEG_INF), axis=(0, 2, 3)))
     probs = masked_softmax(scores * self.scale, mask).astype(v.dtype)
     o = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
     return self._out(o), None
