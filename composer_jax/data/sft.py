@@ -1,0 +1,50 @@
+"""SFT data: JSONL chat trajectories with tool calls and tool results, trained on assistant tokens.
+
+Each line is ``{"messages": [...]}`` (or a bare message list) in the format of
+``composer_jax.data.chat`` — the same records the RL agent writes for its trajectories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from composer_jax.config import ConfigError
+from composer_jax.data import chat
+
+
+def read_trajectories(path: str) -> list[list[dict]]:
+  if not path or not os.path.exists(path):
+    raise ConfigError(f"data.sft_path={path!r} does not exist: give a JSONL file of chat trajectories")
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for i, line in enumerate(f):
+      if not line.strip():
+        continue
+      try:
+        rec = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ConfigError(f"data.sft_path: line {i + 1} of {path} is not JSON ({e.msg})") from None
+      msgs = rec.get("messages") if isinstance(rec, dict) else rec
+      if not isinstance(msgs, list) or not msgs:
+        raise ConfigError(f"data.sft_path: line {i + 1} of {path} needs a non-empty 'messages' list")
+      try:
+        chat.render_segments(msgs)
+      except chat.ChatFormatError as e:
+        raise ConfigError(f"data.sft_path: line {i + 1} of {path}: {e}") from None
+      out.append(msgs)
+  if not out:
+    raise ConfigError(f"data.sft_path: {path} holds no trajectories")
+  return out
+
+
+def encode_chat(messages: list[dict], tokenizer) -> dict:
+  """Token ids and a mask that is 1 on the tokens the assistant produced."""
+  ids, mask = [], []
+  for text, trained in chat.render_segments(messages):
+    piece = tokenizer.encode(text)
+    ids += piece
+    mask += [int(trained)] * len(piece)
+  return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.int32)}

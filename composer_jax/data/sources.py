@@ -1,0 +1,135 @@
+"""Text sources: Python source found on this machine, text / JSONL files, and weighted mixtures.
+
+A source is a list of ``Doc`` records in a deterministic order (sorted by a hash of the path, so a
+file cap samples across the whole tree rather than the alphabetically first packages). Each record
+is assigned to the held-out split by a hash of its *content*, so identical files in two places land
+on the same side and never leak into validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sysconfig
+
+from composer_jax.config import ConfigError
+
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".jsonl")
+BUILTIN = ("stdlib", "site-packages")
+
+
+@dataclasses.dataclass(frozen=True)
+class Doc:
+  """One document: the file it lives in and, for JSONL, the line number (-1 = the whole file)."""
+  path: str
+  line: int = -1
+  field: str = "text"
+
+  def read(self) -> str:
+    if self.line < 0:
+      with open(self.path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+    with open(self.path, encoding="utf-8", errors="replace") as f:
+      for i, raw in enumerate(f):
+        if i == self.line:
+          return str(json.loads(raw).get(self.field, ""))
+    return ""
+
+
+def _hash_unit(data: bytes) -> float:
+  """A number in [0, 1) from the data's SHA-256, stable across machines and Python versions."""
+  return int.from_bytes(hashlib.sha256(data).digest()[:8], "big") / 2.0 ** 64
+
+
+def is_heldout(text: str, fraction: float) -> bool:
+  return _hash_unit(text.encode("utf-8", errors="replace")) < fraction
+
+
+def builtin_root(name: str) -> str:
+  paths = sysconfig.get_paths()
+  return paths["stdlib"] if name == "stdlib" else paths["purelib"]
+
+
+def _walk(root: str, suffixes: tuple[str, ...], skip: tuple[str, ...] = ()) -> list[str]:
+  files = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = [d for d in dirnames if d not in skip and not d.startswith(".")
+                   and d != "__pycache__"]
+    files += [os.path.join(dirpath, f) for f in filenames if f.endswith(suffixes)]
+  return files
+
+
+def _ordered(files: list[str], root: str, max_files: int) -> list[str]:
+  key = lambda p: hashlib.sha256(os.path.relpath(p, root).encode()).hexdigest()
+  files = sorted(files, key=key)
+  return files[:max_files] if max_files > 0 else files
+
+
+def list_docs(source: str, *, max_files: int = 0, text_field: str = "text") -> list[Doc]:
+  """The documents of one source ("stdlib", "site-packages", a file, or a directory)."""
+  if source in BUILTIN:
+    root = builtin_root(source)
+    # The stdlib tree contains site-packages; keep the two sources disjoint.
+    skip = ("site-packages", "dist-packages") if source == "stdlib" else ()
+    files = _ordered(_walk(root, (".py",), skip), root, max_files)
+    return [Doc(p) for p in files]
+  if not os.path.exists(source):
+    raise ConfigError(f"data.sources: {source!r} does not exist; give 'stdlib', 'site-packages', "
+                      "or a path to a .txt/.jsonl file or a directory")
+  if os.path.isdir(source):
+    files = _ordered(_walk(source, TEXT_SUFFIXES), source, max_files)
+  else:
+    files = [source]
+  docs: list[Doc] = []
+  for p in files:
+    if p.endswith(".jsonl"):
+      with open(p, encoding="utf-8", errors="replace") as f:
+        docs += [Doc(p, i, text_field) for i, line in enumerate(f) if line.strip()]
+    else:
+      docs.append(Doc(p))
+  return docs
+
+
+def split_docs(docs: list[Doc], heldout_fraction: float) -> tuple[list[str], list[str]]:
+  """Read every document and split into (train texts, held-out texts); empty documents dropped."""
+  train, heldout = [], []
+  for d in docs:
+    text = d.read()
+    if not text.strip():
+      continue
+    (heldout if is_heldout(text, heldout_fraction) else train).append(text)
+  return train, heldout
+
+
+def mixture_weights(sources: list[str], weights: list[float]) -> list[float]:
+  if not weights:
+    return [1.0 / len(sources)] * len(sources)
+  if any(w < 0 for w in weights) or sum(weights) <= 0:
+    raise ConfigError(f"data.weights={weights} must be non-negative with a positive sum")
+  total = float(sum(weights))
+  return [w / total for w in weights]
+
+
+@dataclasses.dataclass
+class Corpus:
+  """All sources read into memory: per-source train texts, and the pooled held-out texts."""
+  names: list[str]
+  train: list[list[str]]
+  heldout: list[str]
+  weights: list[float]
+
+
+def load_corpus(sources: list[str], weights: list[float], *, heldout_fraction: float,
+                max_files: int = 0, text_field: str = "text") -> Corpus:
+  weights = mixture_weights(sources, weights)
+  train, heldout = [], []
+  for s in sources:
+    tr, ho = split_docs(list_docs(s, max_files=max_files, text_field=text_field), heldout_fraction)
+    if not tr:
+      raise ConfigError(f"data.sources: {s!r} has no training documents; check the path or lower "
+                        "data.heldout_fraction")
+    train.append(tr)
+    heldout += ho
+  return Corpus(list(sources), train, heldout, weights)

@@ -1,0 +1,378 @@
+"""The run loop shared by every stage: set up, restore, step, log, evaluate, checkpoint, plot.
+
+A run directory holds:
+  config.yaml        the resolved config
+  tokenizer.json     the tokenizer (trained here, or copied from --init / data.tokenizer)
+  metrics.jsonl      one JSON object per logged step (step, loss, ce, grad_norm, lr, tokens_per_s,
+                     model_flops_per_s, expert_max_violation, ...) and eval lines (eval_bpb)
+  tb/                TensorBoard events
+  checkpoints/<step> Orbax checkpoints (params, optimizer, router bias, RNG, step, data state, meta)
+  plots/*.png        loss / grad-norm / lr / throughput / eval curves
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.config import Config, ConfigError, dump_config
+from composer_jax.data import pipeline, sources
+from composer_jax.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from composer_jax.train import checkpoint as ckpt_lib
+from composer_jax.train import optim
+from composer_jax.train.step import (
+  make_eval_step,
+  make_train_step,
+  param_axes,
+  split_model,
+)
+
+
+def _items(state: dict) -> dict:
+  """Checkpoint items (Orbax saves pytrees, not bare scalars: step and RNG travel together)."""
+  return {"params": state["params"], "rest": state["rest"], "opt_state": state["opt_state"],
+          "misc": {"step": state["step"], "rng": state["rng"]}}
+
+
+def _from_items(items: dict) -> dict:
+  return {"params": items["params"], "rest": items["rest"], "opt_state": items["opt_state"],
+          **items["misc"]}
+
+
+def _log(msg: str) -> None:
+  print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenizer and data
+# --------------------------------------------------------------------------------------------------
+
+
+def _training_sample(texts: list[str], max_bytes: int) -> list[str]:
+  out, total = [], 0
+  for t in texts:
+    out.append(t)
+    total += len(t)
+    if total >= max_bytes:
+      break
+  return out
+
+
+def get_tokenizer(cfg: Config, out_dir: str, corpus_texts: Callable[[], list[str]],
+                  init_dir: str | None = None) -> Tokenizer:
+  """The run's tokenizer: reuse the run dir's, else --init's, else data.tokenizer (train or load)."""
+  path = os.path.join(out_dir, "tokenizer.json")
+  init_tok = os.path.join(init_dir, "tokenizer.json") if init_dir else None
+  if os.path.exists(path):
+    tok = load_tokenizer(path)
+  elif init_tok and os.path.exists(init_tok):
+    tok = load_tokenizer(init_tok)
+  elif cfg.data.tokenizer == "train":
+    size = cfg.data.tokenizer_vocab_size or cfg.model.vocab_size
+    t0 = time.perf_counter()
+    tok = train_bpe(_training_sample(corpus_texts(), int(cfg.data.tokenizer_train_mb * 2**20)), size)
+    _log(f"trained a {tok.vocab_size}-token BPE in {time.perf_counter() - t0:.1f}s")
+  else:
+    if not os.path.exists(cfg.data.tokenizer):
+      raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} does not exist: give 'train', a "
+                        "tokenizer.json or a tiktoken model file")
+    tok = load_tokenizer(cfg.data.tokenizer)
+  if tok.vocab_size > cfg.model.vocab_size:
+    raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                      f"{tok.vocab_size} tokens: raise model.vocab_size")
+  if not os.path.exists(path):
+    tok.save(path)
+  return tok
+
+
+@dataclass
+class Data:
+  train: Any  # grain IterDataset of batches
+  eval: list  # fixed held-out batches (may be empty)
+  tokenizer: Tokenizer
+
+
+def build_data(cfg: Config, out_dir: str, stage: str, init_dir: str | None = None) -> Data:
+  d = cfg.data
+  corpus = sources.load_corpus(d.sources, d.weights, heldout_fraction=d.heldout_fraction,
+                               max_files=d.max_files, text_field=d.text_field)
+  tok = get_tokenizer(cfg, out_dir, lambda: corpus.train[0], init_dir)
+  pi, pc = jax.process_index(), jax.process_count()
+  if stage == "sft":
+    from composer_jax.data.sft import encode_chat, read_trajectories
+    trajs = read_trajectories(d.sft_path)
+    train = pipeline.records_dataset(trajs, lambda m: encode_chat(m, tok), seq_len=d.seq_len,
+                                     batch_size=d.batch_size, seed=d.seed, process_index=pi,
+                                     process_count=pc)
+  else:
+    train = pipeline.pretrain_dataset(corpus.train, corpus.weights, tok, seq_len=d.seq_len,
+                                      batch_size=d.batch_size, seed=d.seed, process_index=pi,
+                                      process_count=pc)
+  local_bs = pipeline.local_batch_size(d.batch_size, pc)
+  evals = pipeline.eval_batches(corpus.heldout[pi::pc], tok, seq_len=d.seq_len,
+                                batch_size=local_bs, n_batches=cfg.train.eval_batches)
+  if pc > 1 and corpus.heldout:  # every process must run the same number of eval steps
+    empty = {k: np.zeros((local_bs, d.seq_len), np.int32) for k in pipeline.FEATURES}
+    evals += [empty] * (cfg.train.eval_batches - len(evals))
+  return Data(train, evals, tok)
+
+
+# --------------------------------------------------------------------------------------------------
+# State
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Trainer:
+  cfg: Config
+  mesh: Any
+  graphdef: Any
+  state: dict
+  state_shardings: dict
+  batch_sharding: Any
+  tx: Any
+  lr_fn: Callable
+  step_fn: Callable
+  eval_fn: Callable
+
+
+def _activate(mesh, rules):
+  """The mesh/rules context for the model's activation constraints (none needed on one device)."""
+  import contextlib
+
+  from composer_jax.parallel.rules import activate
+  return activate(mesh, rules) if mesh.size > 1 else contextlib.nullcontext()
+
+
+def build_trainer(cfg: Config, mesh=None) -> Trainer:
+  """Model on its shardings, optimizer state sharded like the params, the jitted step."""
+  from composer_jax.model import build_model
+  from composer_jax.parallel.mesh import build_mesh
+  from composer_jax.parallel.rules import make_rules, state_shardings
+  mesh = mesh if mesh is not None else build_mesh(cfg.mesh)
+  rules = make_rules(cfg.mesh.rules)
+  with _activate(mesh, rules):
+    model = build_model(cfg, mesh, seed=cfg.train.seed, rules=rules)
+  graphdef, params, rest = split_model(model)
+  lr_fn = optim.schedule(cfg.optim, cfg.train.steps)
+  tx = optim.build_optimizer(cfg.optim, cfg.train.steps, params, param_axes(params))
+  repl = NamedSharding(mesh, P())
+  p_sh = state_shardings(params, mesh, rules)
+  r_sh = state_shardings(rest, mesh, rules)
+  o_sh = optim.state_shardings(tx, params, p_sh, repl)
+  shardings = {"params": p_sh, "rest": r_sh, "opt_state": o_sh, "step": repl, "rng": repl}
+  opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+  rng = jax.random.key_data(jax.random.key(cfg.train.seed))
+  state = {"params": params, "rest": rest, "opt_state": opt_state,
+           "step": jax.device_put(jnp.zeros((), jnp.int32), repl), "rng": jax.device_put(rng, repl)}
+  batch_axes = tuple(a for a in ("data", "fsdp", "expert") if mesh.shape[a] > 1)
+  batch_sharding = NamedSharding(mesh, P(batch_axes or None, None))
+  # The mesh context (for the model's activation constraints) must wrap the jitted call: it is read
+  # while tracing, and jax.set_mesh may not be entered inside jit.
+  jit_step = jax.jit(make_train_step(graphdef, cfg, tx, lr_fn), in_shardings=(shardings, batch_sharding),
+                     out_shardings=(shardings, None), donate_argnums=(0,))
+  jit_eval = jax.jit(make_eval_step(graphdef), in_shardings=(p_sh, r_sh, batch_sharding, repl))
+
+  def step_fn(state, batch):
+    with _activate(mesh, rules):
+      return jit_step(state, batch)
+
+  def eval_fn(params, rest, batch, byte_lengths):
+    with _activate(mesh, rules):
+      return jit_eval(params, rest, batch, byte_lengths)
+
+  return Trainer(cfg, mesh, graphdef, state, shardings, batch_sharding, tx, lr_fn, step_fn, eval_fn)
+
+
+def put_batch(tr: Trainer, batch: dict) -> dict:
+  if jax.process_count() > 1:
+    return {k: jax.make_array_from_process_local_data(tr.batch_sharding, v) for k, v in batch.items()}
+  return jax.device_put(batch, tr.batch_sharding)
+
+
+def evaluate(tr: Trainer, batches: list, byte_lengths) -> float:
+  """Held-out bits per byte over the fixed evaluation batches."""
+  bits = nbytes = 0.0
+  for b in batches:
+    x, n = tr.eval_fn(tr.state["params"], tr.state["rest"], put_batch(tr, b), byte_lengths)
+    bits += float(x)
+    nbytes += float(n)
+  return bits / max(nbytes, 1.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Logging
+# --------------------------------------------------------------------------------------------------
+
+
+class MetricsLog:
+  """metrics.jsonl + TensorBoard. On resume, lines past the restored step are dropped."""
+
+  def __init__(self, out_dir: str, start_step: int):
+    self.path = os.path.join(out_dir, "metrics.jsonl")
+    kept = []
+    if os.path.exists(self.path):
+      with open(self.path) as f:
+        for line in f:
+          try:
+            rec = json.loads(line)
+          except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+          if rec.get("step", 0) <= start_step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    with open(self.path, "w") as f:
+      f.writelines(kept)
+    self.file = open(self.path, "a")  # noqa: SIM115 -- held open for the run, closed in close()
+    from tensorboardX import SummaryWriter
+    self.tb = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=start_step + 1)
+
+  def write(self, record: dict) -> None:
+    self.file.write(json.dumps(record) + "\n")
+    self.file.flush()
+    for k, v in record.items():
+      if k != "step" and isinstance(v, (int, float)):
+        self.tb.add_scalar(k, v, record["step"])
+
+  def close(self) -> None:
+    self.file.close()
+    self.tb.close()
+
+
+def plot_metrics(out_dir: str) -> list[str]:
+  """PNG curves from metrics.jsonl, one file per metric (written under plots/)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  path = os.path.join(out_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    recs = [json.loads(line) for line in f if line.strip()]
+  series: dict[str, tuple[list, list]] = {}
+  for r in recs:
+    for k, v in r.items():
+      if k != "step" and isinstance(v, (int, float)):
+        series.setdefault(k, ([], []))
+        series[k][0].append(r["step"])
+        series[k][1].append(v)
+  os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
+  written = []
+  for k in ("loss", "ce", "mtp_ce", "eval_bpb", "grad_norm", "lr", "tokens_per_s",
+            "expert_max_violation"):
+    if k not in series:
+      continue
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(*series[k], marker="o" if k == "eval_bpb" else None, lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel(k)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = os.path.join(out_dir, "plots", f"{k}.png")
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    written.append(out)
+  return written
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------
+
+
+def _meta(cfg: Config, step: int, stage: str) -> dict:
+  return {"step": step, "stage": stage, "config": cfg.to_dict()}
+
+
+def run(cfg: Config, out_dir: str, *, stage: str = "pretrain", resume: bool = False,
+        init: str | None = None) -> dict:
+  """Train ``cfg.train.steps`` steps into ``out_dir``; returns the final metrics."""
+  from composer_jax.model import flops_per_token
+  os.makedirs(out_dir, exist_ok=True)
+  init_ckpt_dir, init_step = ckpt_lib.find_checkpoint(init) if init else (None, None)
+  init_run = os.path.dirname(init_ckpt_dir) if init_ckpt_dir else None
+  if init and not os.path.isdir(init_ckpt_dir):
+    raise ConfigError(f"--init {init!r} is not a run or checkpoint directory")
+  dump_config(cfg, os.path.join(out_dir, "config.yaml"))
+  data = build_data(cfg, out_dir, stage, init_run)
+  tr = build_trainer(cfg)
+  byte_lengths = jax.device_put(data.tokenizer.byte_lengths(), NamedSharding(tr.mesh, P()))
+  ck = ckpt_lib.Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.checkpoint.keep,
+                             every=cfg.checkpoint.every, async_save=cfg.checkpoint.async_save)
+  it = iter(data.train)
+  start = 0
+  restored = ck.restore_latest(_items(tr.state)) if resume else None
+  if restored is not None:
+    start, items = restored
+    tr.state = _from_items(items)
+    it.set_state(items["data"])
+    _log(f"resumed from {ck.directory}/{start}")
+  elif resume:
+    _log(f"--resume: no checkpoint in {ck.directory} yet; starting from step 0")
+  elif init:
+    src = ckpt_lib.Checkpointer(init_ckpt_dir, keep=1000, async_save=False)
+    targets = {"params": tr.state["params"], "rest": tr.state["rest"]}
+    got = (src.restore_latest(targets, json_items=()) if init_step is None
+           else (init_step, src.restore(init_step, targets, json_items=())))
+    if got is None:
+      raise ConfigError(f"--init {init!r} holds no readable checkpoint")
+    tr.state.update(params=got[1]["params"], rest=got[1]["rest"])
+    src.close()
+    _log(f"initialised weights from {init_ckpt_dir}/{got[0]}")
+  log = MetricsLog(out_dir, start)
+  total = cfg.train.steps
+  tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+  fpt = flops_per_token(cfg, cfg.data.seq_len)
+  eval_every = cfg.train.eval_every
+  last: dict = {}
+  if start == 0 and data.eval:
+    bpb = evaluate(tr, data.eval, byte_lengths)
+    log.write({"step": 0, "eval_bpb": bpb})
+    _log(f"step 0: held-out {bpb:.4f} bits/byte")
+  from tqdm import tqdm
+  bar = tqdm(total=total, initial=start, disable=not cfg.train.progress, unit="step",
+             dynamic_ncols=True)
+  t_last = time.perf_counter()
+  for step in range(start + 1, total + 1):
+    batch = put_batch(tr, next(it))
+    tr.state, metrics = tr.step_fn(tr.state, batch)
+    if step % cfg.train.log_every == 0 or step == total:
+      rec = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+      now = time.perf_counter()
+      dt = (now - t_last) / (cfg.train.log_every if step % cfg.train.log_every == 0 else 1)
+      t_last = now
+      rec["tokens_per_s"] = tokens_per_step / dt
+      rec["model_flops_per_s"] = fpt * tokens_per_step / dt
+      log.write(rec)
+      last = rec
+      bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+    bar.update(1)
+    if data.eval and ((eval_every > 0 and step % eval_every == 0) or step == total):
+      bpb = evaluate(tr, data.eval, byte_lengths)
+      log.write({"step": step, "eval_bpb": bpb})
+      last["eval_bpb"] = bpb
+      bar.write(f"step {step}: held-out {bpb:.4f} bits/byte")
+      t_last = time.perf_counter()
+    if ck.should_save(step, total):
+      ck.save(step, _items(tr.state), it.get_state(), _meta(cfg, step, stage))
+  bar.close()
+  ck.close()
+  log.close()
+  plots = plot_metrics(out_dir)
+  _log(f"done: {total} steps in {out_dir} (metrics.jsonl, {len(plots)} plots, checkpoints "
+       f"{ck.steps()})")
+  return last
+
+
+def heldout_bpb(tr: Trainer, data: Data) -> float:
+  byte_lengths = jax.device_put(data.tokenizer.byte_lengths(), NamedSharding(tr.mesh, P()))
+  return evaluate(tr, data.eval, byte_lengths)

@@ -1,0 +1,131 @@
+"""Optimizers: AdamW, or Muon on weight matrices with AdamW on the rest; schedules; QK-clip.
+
+Which parameters get Muon is decided from their logical ``axes`` (the same metadata the sharding
+rules read): every parameter with two or more dims except those with a ``vocab`` axis (embedding and
+output head, which Muon handles badly). Expert weights ``[exp, in, out]`` are a batch of matrices,
+orthogonalised independently. Muon updates are scaled to AdamW's RMS (Moonlight's 0.2·sqrt(max dim))
+so both groups share one learning rate and schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.contrib import MuonDimensionNumbers
+
+from composer_jax.config import OptimConfig
+
+BATCH_AXES = ("exp", "layers")  # logical axes that index independent matrices
+
+
+def schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+  """Linear warmup, then constant, cosine to ``lr·min_lr_ratio``, or warmup-stable-decay."""
+  peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+  warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+  total = max(total_steps, warmup + 1)
+  ramp = optax.linear_schedule(0.0 if warmup else peak, peak, max(warmup, 1))
+  if cfg.schedule == "constant":
+    rest = optax.constant_schedule(peak)
+  elif cfg.schedule == "cosine":
+    rest = optax.cosine_decay_schedule(peak, total - warmup, alpha=cfg.min_lr_ratio)
+  else:  # wsd: hold the peak, then decay linearly over the last decay_fraction of the run
+    decay = max(round(cfg.decay_fraction * total), 1)
+    stable = max(total - warmup - decay, 0)
+    rest = optax.join_schedules([optax.constant_schedule(peak),
+                                 optax.linear_schedule(peak, floor, decay)], [stable])
+  return optax.join_schedules([ramp, rest], [warmup])
+
+
+def muon_dims(axes: tuple | None, ndim: int) -> MuonDimensionNumbers | None:
+  """Reduction/output axes of a weight stored ``[*batch, in, *out]``; None = not a Muon param."""
+  if ndim < 2:
+    return None
+  axes = tuple(axes) if axes is not None else (None,) * ndim
+  if "vocab" in axes or "norm" in axes:
+    return None
+  mat = [i for i, a in enumerate(axes) if a not in BATCH_AXES]
+  if len(mat) < 2:
+    return None
+  return MuonDimensionNumbers(reduction_axis=(mat[0],), output_axis=tuple(mat[1:]))
+
+
+def _path_key(path) -> str:
+  return jax.tree_util.keystr(path)
+
+
+def build_optimizer(cfg: OptimConfig, total_steps: int, params: Any,
+                    axes: Any = None) -> optax.GradientTransformation:
+  """The full update rule: global-norm clipping, then AdamW or Muon+AdamW with decay masks.
+
+  ``params`` may be abstract (only shapes are read). ``axes`` gives each parameter's logical axis
+  names: a list in ``jax.tree.leaves(params)`` order, or a pytree like ``params`` with tuple leaves
+  (None = unknown: every >=2-D weight counts as a matrix).
+  """
+  lr = schedule(cfg, total_steps)
+  # Decay matrices, never norms, biases or other vectors.
+  decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+  adamw = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                      mask=decay_mask)
+  if cfg.name == "adamw":
+    inner = adamw
+  else:
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    if axes is None:
+      axis_leaves = [None] * len(leaves)
+    elif isinstance(axes, list):
+      axis_leaves = axes
+    else:
+      axis_leaves = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple) or x is None)
+    if len(axis_leaves) != len(leaves):
+      raise ValueError(f"{len(axis_leaves)} axes entries for {len(leaves)} parameters")
+    dims = {_path_key(p): muon_dims(a, x.ndim) for (p, x), a in zip(leaves, axis_leaves)}
+    labels = jax.tree_util.tree_map_with_path(
+        lambda p, x: "muon" if dims[_path_key(p)] is not None else "adam", params)
+    dims_fn = lambda p: jax.tree_util.tree_map_with_path(
+        lambda path, x: dims[_path_key(path)], p)
+    muon = optax.contrib.muon(lr, ns_steps=cfg.muon_ns_steps, beta=cfg.muon_momentum, eps=cfg.eps,
+                              weight_decay=cfg.weight_decay, muon_weight_dimension_numbers=dims_fn,
+                              consistent_rms=0.2, nesterov=True)
+    inner = optax.multi_transform({"muon": muon, "adam": adamw}, labels)
+  parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
+  return optax.chain(*parts, inner)
+
+
+def state_shardings(tx: optax.GradientTransformation, abstract_params: Any,
+                    param_shardings: Any, replicated: Any) -> Any:
+  """Optimizer-state shardings: every parameter-shaped leaf sharded like its parameter.
+
+  A state leaf belongs to a parameter when its key path ends with that parameter's key path (e.g.
+  ``...mu['layers'][0]['w']``) and the shapes agree; counts, schedules and the like are replicated.
+  """
+  abstract_state = jax.eval_shape(tx.init, abstract_params)
+  is_sh = lambda x: isinstance(x, jax.sharding.Sharding)
+  shardings = jax.tree.leaves(param_shardings, is_leaf=is_sh)
+  by_path = {}
+  for (path, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(abstract_params), shardings):
+    by_path[_path_key(path)] = (leaf.shape, sh)
+
+  def one(path, leaf):
+    key = _path_key(path)
+    best = None
+    for pkey, (shape, sh) in by_path.items():
+      if key.endswith(pkey) and shape == leaf.shape and (best is None or len(pkey) > len(best[0])):
+        best = (pkey, sh)
+    return best[1] if best else replicated
+
+  return jax.tree_util.tree_map_with_path(one, abstract_state)
+
+
+def qk_clip_scales(max_logits: jax.Array, tau: float) -> tuple[jax.Array, jax.Array]:
+  """MuonClip per-head factors from the step's max pre-softmax logit of each head.
+
+  For a head whose max logit exceeds ``tau``, gamma = tau / max_logit. Head-specific query and key
+  parts (MLA's ``nope`` dims) are each scaled by sqrt(gamma), so their product scales by gamma;
+  the query's rotary part is scaled by gamma because the rotary key is shared across heads and must
+  stay untouched. Returns (sqrt(gamma), gamma), both shaped like ``max_logits``.
+  """
+  gamma = jnp.minimum(1.0, tau / jnp.maximum(max_logits, 1e-30))
+  return jnp.sqrt(gamma), gamma

@@ -1,0 +1,144 @@
+"""The pure train step and the held-out bits-per-byte evaluation.
+
+``TrainState`` is a plain dict pytree, the unit that is sharded, donated and checkpointed:
+  params     nnx.State of the trained ``nnx.Param`` leaves
+  rest       nnx.State of every other model variable (the MoE ``router_bias``)
+  opt_state  the Optax state (parameter-shaped leaves sharded like their parameters)
+  step       int32 scalar, optimizer steps taken
+  rng        uint32 raw PRNG key, split once per step (kept for stochastic parts; checkpointed)
+
+``train_step(state, batch) -> (state, metrics)`` has no side effects: gradient accumulation over
+``grad_accum`` micro-batches (a scan, token-weighted so the result equals one big batch), the loss
+of ``composer_jax.model.lm_loss`` (next token + MTP + optional z-loss + optional aux loss), one
+optimizer update, then the aux-loss-free router-bias update from the step's expert loads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from composer_jax.config import Config
+from composer_jax.model import lm_loss
+from composer_jax.model.routing import update_router_bias
+
+
+def param_axes(params: Any) -> list:
+  """Logical axes of each parameter, in ``jax.tree.leaves(params)`` order."""
+  from composer_jax.parallel.rules import variable_axes
+  return [variable_axes(v) for v in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))]
+
+
+def split_model(model) -> tuple[Any, Any, Any]:
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  return graphdef, params, rest
+
+
+def load_balance(loads: jax.Array | None) -> dict:
+  """Expert-load metrics from [n_moe_blocks, E] assignment fractions.
+
+  max_violation = mean over blocks of (max_e load - mean load) / mean load (0 = perfectly even).
+  """
+  if loads is None:
+    return {}
+  mean = loads.mean(-1, keepdims=True)
+  vio = (loads.max(-1, keepdims=True) - mean) / jnp.maximum(mean, 1e-9)
+  return {"expert_max_violation": vio.mean()}
+
+
+def _micro_batches(batch: dict, n: int) -> dict:
+  return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+
+
+def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
+                    lr_fn: Callable | None = None) -> Callable:
+  mcfg, tcfg = cfg.model, cfg.train
+
+  def loss_fn(params, rest, mb):
+    model = nnx.merge(graphdef, params, rest)
+    out = model(mb["tokens"], mb["segment_ids"], mb["positions"])
+    loss, metrics = lm_loss(out, mb["tokens"], mb["loss_mask"], mcfg, mb["segment_ids"],
+                            z_loss=tcfg.z_loss)
+    loads = out.router_loads if out.router_loads is not None else jnp.zeros((0,), jnp.float32)
+    return loss, (metrics, loads)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
+    params, rest = state["params"], state["rest"]
+    n = tcfg.grad_accum
+    if n == 1:
+      (loss, (metrics, loads)), grads = grad_fn(params, rest, batch)
+    else:
+      # Token-weighted sum over micro-batches: each micro loss is a mean over its own targets.
+      def body(carry, mb):
+        g_acc, m_acc, l_acc, tok = carry
+        (_, (m, lo)), g = grad_fn(params, rest, mb)
+        w = m["tokens"]
+        g_acc = jax.tree.map(lambda a, b: a + w * b, g_acc, g)
+        m_acc = jax.tree.map(lambda a, b: a + w * b, m_acc, m)
+        return (g_acc, m_acc, l_acc + lo, tok + w), None
+
+      mbs = _micro_batches(batch, n)
+      first = jax.tree.map(lambda x: x[0], mbs)
+      m_shape = jax.eval_shape(lambda: grad_fn(params, rest, first)[0][1])
+      zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)
+      init = (jax.tree.map(jnp.zeros_like, params), zeros(m_shape[0]), zeros(m_shape[1]),
+              jnp.zeros((), jnp.float32))
+      (g_sum, m_sum, l_sum, tok), _ = jax.lax.scan(body, init, mbs)
+      denom = jnp.maximum(tok, 1.0)
+      grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), g_sum)
+      metrics = jax.tree.map(lambda m: m / denom, m_sum)
+      metrics["tokens"] = tok
+      loads = l_sum / n
+      loss = metrics["loss"]
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state["opt_state"], params)
+    params = optax.apply_updates(params, updates)
+    if loads.size and mcfg.bias_update_rate > 0:
+      model = nnx.merge(graphdef, params, rest)
+      for i, moe in enumerate(model.moe_modules()):
+        moe.router_bias[...] = update_router_bias(moe.router_bias[...], loads[i],
+                                                  mcfg.bias_update_rate)
+      _, params, rest = split_model(model)
+    rng = jax.random.split(jax.random.wrap_key_data(state["rng"]))[0]
+    new_state = {"params": params, "rest": rest, "opt_state": opt_state,
+                 "step": state["step"] + 1, "rng": jax.random.key_data(rng)}
+    out = {k: v for k, v in metrics.items() if k != "tokens"}
+    out.update(loss=loss, grad_norm=grad_norm, target_tokens=metrics["tokens"],
+               **load_balance(loads if loads.size else None))
+    if lr_fn is not None:
+      out["lr"] = lr_fn(state["step"])
+    return new_state, out
+
+  return train_step
+
+
+def bits_per_byte_sums(logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
+                       byte_lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(sum of next-token CE in bits, sum of UTF-8 bytes of those targets) over masked targets.
+
+  bits/byte = first / second, summed over a whole evaluation set. It is independent of the
+  tokenizer, so runs with different vocabularies compare.
+  """
+  lg = logits[:, :-1].astype(jnp.float32)
+  tgt = tokens[:, 1:]
+  mask = loss_mask[:, 1:].astype(jnp.float32)
+  lp = jnp.take_along_axis(jax.nn.log_softmax(lg, -1), tgt[..., None], -1)[..., 0]
+  bits = -(lp * mask).sum() / math.log(2.0)
+  nbytes = (byte_lengths[tgt].astype(jnp.float32) * mask).sum()
+  return bits, nbytes
+
+
+def make_eval_step(graphdef) -> Callable:
+  def eval_step(params, rest, batch, byte_lengths):
+    model = nnx.merge(graphdef, params, rest)
+    out = model(batch["tokens"], batch["segment_ids"], batch["positions"], mtp=False)
+    return bits_per_byte_sums(out.logits, batch["tokens"], batch["loss_mask"], byte_lengths)
+  return eval_step

@@ -1,0 +1,112 @@
+"""Tokenizer training/loading (incl. tiktoken conversion), byte lengths, chat format and SFT masks."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+
+from composer_jax.data import chat, sources
+from composer_jax.data.sft import encode_chat, read_trajectories
+from composer_jax.data.tokenizer import bytes_to_unicode, load_tokenizer, train_bpe
+
+
+@pytest.fixture(scope="module")
+def corpus():
+  return [d.read() for d in sources.list_docs("stdlib", max_files=40)]
+
+
+@pytest.fixture(scope="module")
+def tok(corpus):
+  return train_bpe(corpus, 400)
+
+
+TEXT = "def f(x):\n    return x ** 2  # ünïcödé ✓\n"
+
+
+def test_trained_bpe_round_trips_and_is_deterministic(tok, corpus):
+  assert tok.vocab_size == 400
+  assert tok.decode(tok.encode(TEXT)) == TEXT
+  assert train_bpe(corpus, 400).tok.to_str() == tok.tok.to_str()
+  # Special tokens are single ids at the start of the vocabulary.
+  for i, s in enumerate(chat.SPECIAL_TOKENS):
+    assert tok.token_id(s) == i and tok.encode(s) == [i]
+  assert tok.eos_id == 0
+
+
+def test_byte_lengths_sum_to_utf8_length(tok):
+  lengths = tok.byte_lengths()
+  ids = tok.encode(TEXT)
+  assert int(lengths[ids].sum()) == len(TEXT.encode("utf-8"))
+  assert lengths[tok.eos_id] == 0
+
+
+def test_save_and_load(tok, tmp_path):
+  p = str(tmp_path / "tokenizer.json")
+  tok.save(p)
+  again = load_tokenizer(p)
+  assert again.encode(TEXT) == tok.encode(TEXT) and again.vocab_size == tok.vocab_size
+
+
+def test_tiktoken_file_converts_to_an_equivalent_bpe(tok, tmp_path, corpus):
+  # Export the trained byte-level BPE as a tiktoken rank file (rank = id order of byte tokens) and
+  # check that the converted tokenizer splits text identically (same pieces, same byte strings).
+  inv = {c: b for b, c in bytes_to_unicode().items()}
+  special = set(chat.SPECIAL_TOKENS)
+  vocab = sorted(((i, t) for t, i in tok.tok.get_vocab().items() if t not in special))
+  lines = [f"{base64.b64encode(bytes(inv[c] for c in t)).decode()} {r}"
+           for r, (_, t) in enumerate(vocab)]
+  path = tmp_path / "tiktoken.model"
+  path.write_text("\n".join(lines) + "\n")
+  tt = load_tokenizer(str(path))
+  assert tt.vocab_size == len(vocab) + len(chat.SPECIAL_TOKENS)
+  offset = len(chat.SPECIAL_TOKENS)
+  sample = corpus[0][:2000]
+  # The regex pre-split differs from GPT-2's, so compare decoding and pieces of simple words.
+  assert tt.decode(tt.encode(sample)) == sample
+  for word in ["return", " self", "import", " def", "    "]:
+    assert tt.encode(word) == [i - offset for i in tok.encode(word)]
+  assert tt.encode(chat.IM_END) == [tt.token_id(chat.IM_END)]
+
+
+TRAJ = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "Fix the bug in a.py"},
+    {"role": "assistant", "content": "Let me look.",
+     "tool_calls": [{"id": "functions.view:0", "name": "view", "arguments": {"path": "a.py"}}]},
+    {"role": "tool", "tool_call_id": "functions.view:0", "content": "1  x = 1/0"},
+    {"role": "assistant", "content": "Fixed."},
+]
+
+
+def test_sft_mask_covers_exactly_the_assistant_tokens(tok):
+  ex = encode_chat(TRAJ, tok)
+  ids, mask = ex["tokens"], ex["loss_mask"]
+  assert ids.shape == mask.shape and set(np.unique(mask)) == {0, 1}
+  trained = tok.decode(ids[mask == 1])
+  want = ("Let me look." + chat.render_tool_calls(TRAJ[2]["tool_calls"]) + chat.IM_END
+          + "Fixed." + chat.IM_END)
+  assert trained == want
+  assert tok.decode(ids) == "".join(t for t, _ in chat.render_segments(TRAJ))
+
+
+def test_tool_calls_parse_back():
+  text = "Let me look." + chat.render_tool_calls(TRAJ[2]["tool_calls"]) + chat.IM_END
+  content, calls = chat.parse_tool_calls(text)
+  assert content == "Let me look."
+  assert calls == [{"id": "functions.view:0", "name": "view", "arguments": {"path": "a.py"}}]
+
+
+def test_read_trajectories_reports_bad_lines(tmp_path):
+  from composer_jax.config import ConfigError
+  good = tmp_path / "t.jsonl"
+  good.write_text(json.dumps({"messages": TRAJ}) + "\n")
+  assert read_trajectories(str(good)) == [TRAJ]
+  bad = tmp_path / "b.jsonl"
+  bad.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n")
+  with pytest.raises(ConfigError, match="line 1.*role"):
+    read_trajectories(str(bad))
+  with pytest.raises(ConfigError, match="data.sft_path"):
+    read_trajectories(str(tmp_path / "none.jsonl"))
