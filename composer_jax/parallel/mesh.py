@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from composer_jax.config import ConfigError, MeshConfig
-from composer_jax.parallel.rules import MESH_AXES
+from composer_jax.parallel.rules import MESH_AXES, MESH_OPTIONS
 
 
 def set_cpu_devices(n: int) -> None:
@@ -28,7 +28,8 @@ def set_cpu_devices(n: int) -> None:
 
 
 def maybe_initialize_distributed(cfg: MeshConfig) -> None:
-  if cfg.distributed and jax.process_count() == 1:
+  """Join the multi-host job (must run before anything touches the devices)."""
+  if cfg.distributed and not jax.distributed.is_initialized():
     jax.distributed.initialize()
 
 
@@ -52,6 +53,8 @@ def resolve_axis_sizes(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
 
 
 def build_mesh(cfg: MeshConfig, devices=None) -> Mesh:
+  if devices is None:
+    maybe_initialize_distributed(cfg)
   devices = list(devices if devices is not None else jax.devices())
   sizes = resolve_axis_sizes(cfg, len(devices))
   total = int(np.prod(list(sizes.values())))
@@ -61,4 +64,6 @@ def build_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     grid = mesh_utils.create_device_mesh(shape, devices=devices[:total])
   except Exception:  # non-TPU topologies or a partial device list: plain row-major order
     grid = np.asarray(devices[:total]).reshape(shape)
-  return Mesh(grid, MESH_AXES)
+  mesh = Mesh(grid, MESH_AXES)
+  MESH_OPTIONS[mesh] = {"ep_strategy": cfg.ep_strategy}
+  return mesh

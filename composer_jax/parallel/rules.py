@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import ConfigError
 
@@ -140,20 +141,40 @@ def state_shardings(state, mesh: Mesh, rules: dict):
 # --------------------------------------------------------------------------------------------------
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("composer_jax_mesh", default=None)
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("composer_jax_mesh_options", default=None)
+# Per-mesh options recorded by build_mesh (e.g. ep_strategy), used when activate() names none.
+MESH_OPTIONS: dict = {}
 
 
 @contextlib.contextmanager
-def activate(mesh: Mesh | None, rules: dict | None = None):
-  """Make ``mesh`` and ``rules`` the ones activation constraints (and jit) use inside the block."""
+def activate(mesh: Mesh | None, rules: dict | None = None, **options):
+  """Make ``mesh`` and ``rules`` the ones activation constraints (and jit) use inside the block.
+
+  ``options`` (e.g. ``ep_strategy="all_gather"``) override what ``build_mesh`` recorded for the mesh.
+  """
   token = _ACTIVE.set((mesh, rules or DEFAULT_RULES) if mesh is not None else None)
+  opt_token = _OPTIONS.set(options or None)
   try:
     if mesh is not None:
-      with jax.sharding.use_mesh(mesh):
+      with jax.set_mesh(mesh):
         yield
     else:
       yield
   finally:
     _ACTIVE.reset(token)
+    _OPTIONS.reset(opt_token)
+
+
+def active_option(name: str, default=None):
+  """An option of the active block, else the one recorded for the active mesh, else ``default``."""
+  opts = _OPTIONS.get() or {}
+  if name in opts:
+    return opts[name]
+  mesh = active()[0]
+  try:
+    return MESH_OPTIONS.get(mesh, {}).get(name, default)
+  except TypeError:  # an unhashable mesh-like object
+    return default
 
 
 def active() -> tuple[Mesh | None, dict]:

@@ -1,0 +1,142 @@
+"""Context parallelism: the sequence sharded over the ``context`` mesh axis, causally load-balanced.
+
+Activations keep the plain layout (device i holds the i-th contiguous chunk of every sequence), so
+everything outside attention — position-wise layers, the loss and its shifted targets, MTP — is
+untouched. Only the attention core runs inside ``shard_map``:
+
+1. Keys and values are all-gathered over ``context`` (for MLA they are small: one shared RoPE key).
+2. Causal work is balanced with the zigzag split: the sequence is cut into ``2n`` half-chunks and
+   device d attends for half-chunks ``d`` and ``2n-1-d`` (an early and a late one), which need
+   ``d+1`` and ``2n-d`` key blocks — ``2n+1`` blocks of ``c x c`` scores on every device, against
+   ``4n`` for the dense masked product. The query halves reach their zigzag owner with two
+   ``ppermute`` calls (each a permutation, since even and odd half-chunks map to distinct devices)
+   and the outputs return the same way.
+3. The ``2n+1`` (query half, key block) pairs have static shapes; one softmax is taken across the
+   pairs of each query half (a shared max and denominator), so the result equals the dense one.
+
+Causality is by index in the packed row and keys must share the query's segment, as in
+``composer_jax.model.mla.attention_mask``; rows with no valid key give zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.parallel.rules import active, spec_for
+
+NEG_INF = -1e30
+
+
+def zigzag_halves(n: int) -> list[tuple[int, int]]:
+  """Half-chunks each device attends for: (even one, odd one) of {d, 2n-1-d}."""
+  out = []
+  for d in range(n):
+    a, b = d, 2 * n - 1 - d
+    out.append((a, b) if a % 2 == 0 else (b, a))
+  return out
+
+
+def _owner_perms(n: int) -> tuple[list, list]:
+  """ppermute pairs moving local half-chunk slot 0 / slot 1 of device i to its zigzag device."""
+  proc = lambda m: m if m < n else 2 * n - 1 - m
+  return ([(i, proc(2 * i)) for i in range(n)], [(i, proc(2 * i + 1)) for i in range(n)])
+
+
+def pair_plan(halves: jax.Array, n: int):
+  """Static-length (query slot, key block) pairs for query half-chunks ``halves`` [2] (even, odd).
+
+  Pair t < h0+1 is (slot 0, block t); the rest are (slot 1, block t-h0-1): 2n+1 pairs in all.
+  """
+  t = jnp.arange(2 * n + 1)
+  slot = (t > halves[0]).astype(jnp.int32)
+  block = jnp.where(slot == 0, t, t - halves[0] - 1)
+  return slot, block
+
+
+def _balanced_body(q_nope, q_pe, k_nope, k_pe, v, seg, *, scale, cp_axes, n):
+  b, L = q_nope.shape[:2]
+  c = L // 2
+  perm0, perm1 = _owner_perms(n)
+  inv = lambda p: [(j, i) for i, j in p]
+
+  def to_owner(x):  # [b, L, ...] -> [b, 2, c, ...] holding this device's (even, odd) halves
+    x0 = jax.lax.ppermute(x[:, :c], cp_axes, perm0)
+    x1 = jax.lax.ppermute(x[:, c:], cp_axes, perm1)
+    return jnp.stack([x0, x1], axis=1)
+
+  def gather(x):  # full sequence in natural order, cut into 2n blocks of c
+    full = jax.lax.all_gather(x, cp_axes, axis=1, tiled=True)
+    return full.reshape((b, 2 * n, c) + x.shape[2:])
+
+  me = jax.lax.axis_index(cp_axes)
+  halves = jnp.asarray(zigzag_halves(n), jnp.int32)[me]  # [2]
+  slot, block = pair_plan(halves, n)
+  qn, qp, qs = to_owner(q_nope), to_owner(q_pe), to_owner(seg)
+  kn, kp, vv, ks = gather(k_nope), gather(k_pe), gather(v), gather(seg)
+  q_idx = halves[:, None] * c + jnp.arange(c)[None]  # [2, c] index in the packed row
+  k_idx = jnp.arange(2 * n * c).reshape(2 * n, c)
+  qn, qp, qs, qi = qn[:, slot], qp[:, slot], qs[:, slot], q_idx[slot]  # [b, P, c, ...]
+  kn, kp, vv, ks, ki = kn[:, block], kp[:, block], vv[:, block], ks[:, block], k_idx[block]
+  scores = (jnp.einsum("bpqhd,bpkhd->bphqk", qn, kn, preferred_element_type=jnp.float32)
+            + jnp.einsum("bpqhd,bpkd->bphqk", qp, kp, preferred_element_type=jnp.float32)) * scale
+  mask = (qi[None, :, :, None] >= ki[None, :, None, :]) & (qs[..., :, None] == ks[..., None, :])
+  mask = mask[:, :, None]  # [b, P, 1, cq, ck]
+  scores = jnp.where(mask, scores, NEG_INF)
+  onehot = jax.nn.one_hot(slot, 2, dtype=jnp.float32)  # [P, 2]
+  # One softmax over all pairs of a query half: shared max, shared denominator.
+  pmax = scores.max(-1)  # [b, P, h, cq]
+  smax = jnp.where(onehot.T[None, :, :, None, None] > 0, pmax[:, None], NEG_INF).max(2)  # [b,2,h,cq]
+  e = jnp.where(mask, jnp.exp(scores - smax[:, slot][..., None]), 0.0)
+  denom = jnp.einsum("bphq,ps->bshq", e.sum(-1), onehot)  # [b, 2, h, cq]
+  o = jnp.einsum("bphqk,bpkhd->bpqhd", e.astype(vv.dtype), vv, preferred_element_type=jnp.float32)
+  o = jnp.einsum("bpqhd,ps->bsqhd", o, onehot)  # [b, 2, c, h, dv]
+  d = jnp.transpose(denom, (0, 1, 3, 2))[..., None]  # [b, 2, cq, h, 1]
+  o = jnp.where(d > 0, o / jnp.where(d > 0, d, 1.0), 0.0).astype(v.dtype)
+  o0 = jax.lax.ppermute(o[:, 0], cp_axes, inv(perm0))
+  o1 = jax.lax.ppermute(o[:, 1], cp_axes, inv(perm1))
+  return jnp.concatenate([o0, o1], axis=1)
+
+
+def dense_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale):
+  """The unsharded computation (the reference, and the fallback when the sequence cannot split)."""
+  from composer_jax.model.mla import attention_mask, masked_softmax
+  b, s = q_nope.shape[:2]
+  scores = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
+            + jnp.einsum("bqhd,bkd->bhqk", q_pe, k_pe, preferred_element_type=jnp.float32))
+  idx = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
+  probs = masked_softmax(scores * scale, attention_mask(idx, idx, seg, seg)).astype(v.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+def context_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale: float, mesh=None, rules=None):
+  """Causal attention of q [b,s,h,*] over k/v [b,s,(h),*] with the sequence sharded over context.
+
+  Falls back to ``dense_attention`` when no context axis is active or s does not split into 2n.
+  """
+  if mesh is None:
+    mesh, rules = active()
+  if mesh is None:
+    return dense_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale)
+  b, s = q_nope.shape[:2]
+  spec = spec_for(("act_batch", "act_seq", "act_heads", None), q_nope.shape, mesh, rules,
+                  what="attention", strict=False)
+  cp_axes = spec[1] if isinstance(spec[1], tuple) else ((spec[1],) if spec[1] else ())
+  n = 1
+  for a in cp_axes:
+    n *= mesh.shape[a]
+  if n == 1 or s % (2 * n):
+    return dense_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale)
+  if seg is None:
+    seg = jnp.ones((b, s), jnp.int32)
+  q_spec = spec
+  kpe_spec = P(spec[0], spec[1], None)
+  seg_spec = P(spec[0], spec[1])
+
+  def body(*args):
+    return _balanced_body(*args, scale=scale, cp_axes=cp_axes, n=n)
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(q_spec, q_spec, q_spec, kpe_spec, q_spec, seg_spec),
+                     out_specs=q_spec)
+  return fn(q_nope, q_pe, k_nope, k_pe, v, seg.astype(jnp.int32))

@@ -1,0 +1,59 @@
+"""Per-device memory of Kimi K2 (1.03T parameters) on a few pod meshes, from ``sharding_plan``.
+
+Nothing is allocated: shapes come from eval_shape, specs from the rule table on an AbstractMesh.
+Parameters in bf16; optimizer state in fp32 as the config's optimizer keeps it (Muon: 1 momentum on
+matrices, AdamW's 2 moments elsewhere), plus one AdamW row for comparison. Activations not counted.
+
+  python experiments/parallel_memory.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from composer_jax.config import load_config
+from composer_jax.parallel.plan import sharding_plan
+from experiments.common import write_result
+
+GIB = 2 ** 30
+MESHES = [  # (devices, overrides)
+    (256, {"fsdp": 32, "expert": 8}),
+    (512, {"fsdp": 64, "expert": 8}),
+    (1024, {"fsdp": 64, "expert": 16}),
+    (2048, {"data": 2, "fsdp": 64, "expert": 16}),
+    (512, {"fsdp": 16, "expert": 8, "tensor": 4}),
+    (512, {"fsdp": 512, "expert": 1}),  # no expert parallelism: pure FSDP
+]
+
+
+def main() -> None:
+  rows = []
+  for optim in ("muon", "adamw"):
+    for n, axes in (MESHES if optim == "muon" else MESHES[1:2]):
+      over = [f"mesh.{a}={axes.get(a, 1)}" for a in ("data", "fsdp", "expert", "tensor", "context")]
+      cfg = load_config("configs/kimi-k2.yaml", over + [f"optim.name={optim}", "optim.qk_clip=0"])
+      plan = sharding_plan(cfg, n_devices=n)
+      t = plan["totals"]
+      experts = sum(r["param_bytes"] for r in plan["params"] if ".mlp.w_" in r["name"])
+      row = {"devices": n, "mesh": {a: s for a, s in plan["mesh"].items() if s > 1},
+             "optimizer": plan["optimizer"], "param_gib": t["param_bytes_per_device"] / GIB,
+             "expert_param_gib": experts / GIB, "opt_gib": t["opt_bytes_per_device"] / GIB,
+             "total_gib": t["total_bytes_per_device"] / GIB}
+      rows.append(row)
+      print(f"{n:5d} devices {row['mesh']!s:44s} {optim:6s} params {row['param_gib']:7.2f} GiB "
+            f"(experts {row['expert_param_gib']:6.2f})  opt {row['opt_gib']:7.2f}  "
+            f"total {row['total_gib']:7.2f} GiB/device")
+  base = rows[1]["total_gib"]
+  print(f"ratio total/device, 512 devices: fsdp64 x expert8 vs fsdp512 = "
+        f"{base / rows[5]['total_gib']:.3f}; muon vs adamw (fsdp64 x expert8) = "
+        f"{base / rows[-1]['total_gib']:.3f}")
+  write_result("parallel_memory", {"model": "configs/kimi-k2.yaml", "global_param_gib":
+                                   sharding_plan(cfg, n_devices=512)["totals"]["global_param_bytes"] / GIB,
+                                   "rows": rows})
+
+
+if __name__ == "__main__":
+  main()
