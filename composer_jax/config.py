@@ -424,8 +424,7 @@ def validate(cfg: Config) -> None:
   _require(o.lr > 0, "optim.lr must be positive")
   _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1 and optim.b2 must be in [0, 1)")
   _require(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
-  _require(o.qk_clip == 0, "optim.qk_clip: the model does not report per-head max attention "
-           "logits yet, so QK-clip cannot run; set optim.qk_clip=0")
+  _require(o.qk_clip >= 0, f"optim.qk_clip={o.qk_clip} must be >= 0 (0 = off)")
   _require(0 < o.decay_fraction <= 1, "optim.decay_fraction must be in (0, 1] (WSD decay share)")
   t = cfg.train
   _require(t.steps >= 0, "train.steps must be >= 0")

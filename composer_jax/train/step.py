@@ -27,6 +27,7 @@ from flax import nnx
 from composer_jax.config import Config
 from composer_jax.model import lm_loss
 from composer_jax.model.routing import update_router_bias
+from composer_jax.train.optim import qk_clip_scales
 
 
 def param_axes(params: Any) -> list:
@@ -52,6 +53,37 @@ def load_balance(loads: jax.Array | None) -> dict:
   return {"expert_max_violation": vio.mean()}
 
 
+def attention_modules(model) -> list:
+  """Every MLA module (main stack, then MTP depths), in a fixed order."""
+  return [b.attn for b in list(model.layers) + [d.block for d in model.mtp]]
+
+
+def pop_max_logits(model) -> jax.Array:
+  """[n_attention, heads] max attention logits recorded by the forward pass (then cleared)."""
+  rows = [jnp.max(jnp.stack(a.max_logit.get_value()), axis=0) for a in attention_modules(model)]
+  nnx.pop(model, nnx.Intermediate)
+  return jnp.stack(rows)
+
+
+def apply_qk_clip(model, max_logits: jax.Array, tau: float) -> None:
+  """MuonClip for MLA, in place: rescale the query/key weights of heads whose logit exceeded tau.
+
+  Head-specific query and key ``nope`` columns get sqrt(gamma) each; the query's rotary columns get
+  gamma (the rotary key is shared by all heads and stays as it is); values are untouched.
+  """
+  cfg = model.cfg
+  nope = cfg.qk_nope_dim
+  for attn, ml in zip(attention_modules(model), max_logits):
+    root, gamma = qk_clip_scales(ml, tau)  # [heads]
+    q = attn.q_b if cfg.q_lora_rank else attn.q_proj
+    w = q.w[...]  # [in, heads, nope + rope]
+    col = jnp.arange(w.shape[-1]) < nope
+    q.w[...] = (w * jnp.where(col, root[:, None], gamma[:, None])).astype(w.dtype)
+    kv = attn.kv_b.w[...]  # [kv_lora, heads, nope + v]
+    col = jnp.arange(kv.shape[-1]) < nope
+    attn.kv_b.w[...] = (kv * jnp.where(col, root[:, None], 1.0)).astype(kv.dtype)
+
+
 def _micro_batches(batch: dict, n: int) -> dict:
   return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
 
@@ -60,13 +92,18 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
                     lr_fn: Callable | None = None) -> Callable:
   mcfg, tcfg = cfg.model, cfg.train
 
+  qk_clip = cfg.optim.qk_clip
+
   def loss_fn(params, rest, mb):
     model = nnx.merge(graphdef, params, rest)
+    if qk_clip:
+      model.set_attributes(record_max_logit=True, raise_if_not_found=False)
     out = model(mb["tokens"], mb["segment_ids"], mb["positions"])
     loss, metrics = lm_loss(out, mb["tokens"], mb["loss_mask"], mcfg, mb["segment_ids"],
                             z_loss=tcfg.z_loss)
+    head_max = pop_max_logits(model) if qk_clip else jnp.zeros((0,), jnp.float32)
     loads = out.router_loads if out.router_loads is not None else jnp.zeros((0,), jnp.float32)
-    return loss, (metrics, loads)
+    return loss, (metrics, loads, head_max)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -74,24 +111,24 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
     params, rest = state["params"], state["rest"]
     n = tcfg.grad_accum
     if n == 1:
-      (loss, (metrics, loads)), grads = grad_fn(params, rest, batch)
+      (loss, (metrics, loads, head_max)), grads = grad_fn(params, rest, batch)
     else:
       # Token-weighted sum over micro-batches: each micro loss is a mean over its own targets.
       def body(carry, mb):
-        g_acc, m_acc, l_acc, tok = carry
-        (_, (m, lo)), g = grad_fn(params, rest, mb)
+        g_acc, m_acc, l_acc, h_acc, tok = carry
+        (_, (m, lo, hm)), g = grad_fn(params, rest, mb)
         w = m["tokens"]
         g_acc = jax.tree.map(lambda a, b: a + w * b, g_acc, g)
         m_acc = jax.tree.map(lambda a, b: a + w * b, m_acc, m)
-        return (g_acc, m_acc, l_acc + lo, tok + w), None
+        return (g_acc, m_acc, l_acc + lo, jnp.maximum(h_acc, hm), tok + w), None
 
       mbs = _micro_batches(batch, n)
       first = jax.tree.map(lambda x: x[0], mbs)
       m_shape = jax.eval_shape(lambda: grad_fn(params, rest, first)[0][1])
       zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)
       init = (jax.tree.map(jnp.zeros_like, params), zeros(m_shape[0]), zeros(m_shape[1]),
-              jnp.zeros((), jnp.float32))
-      (g_sum, m_sum, l_sum, tok), _ = jax.lax.scan(body, init, mbs)
+              jnp.full(m_shape[2].shape, -jnp.inf, jnp.float32), jnp.zeros((), jnp.float32))
+      (g_sum, m_sum, l_sum, head_max, tok), _ = jax.lax.scan(body, init, mbs)
       denom = jnp.maximum(tok, 1.0)
       grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), g_sum)
       metrics = jax.tree.map(lambda m: m / denom, m_sum)
@@ -101,16 +138,22 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], params)
     params = optax.apply_updates(params, updates)
-    if loads.size and mcfg.bias_update_rate > 0:
+    update_bias = bool(loads.size) and mcfg.bias_update_rate > 0
+    if update_bias or qk_clip:
       model = nnx.merge(graphdef, params, rest)
-      for i, moe in enumerate(model.moe_modules()):
-        moe.router_bias[...] = update_router_bias(moe.router_bias[...], loads[i],
-                                                  mcfg.bias_update_rate)
+      if update_bias:
+        for i, moe in enumerate(model.moe_modules()):
+          moe.router_bias[...] = update_router_bias(moe.router_bias[...], loads[i],
+                                                    mcfg.bias_update_rate)
+      if qk_clip:
+        apply_qk_clip(model, head_max, qk_clip)
       _, params, rest = split_model(model)
     rng = jax.random.split(jax.random.wrap_key_data(state["rng"]))[0]
     new_state = {"params": params, "rest": rest, "opt_state": opt_state,
                  "step": state["step"] + 1, "rng": jax.random.key_data(rng)}
     out = {k: v for k, v in metrics.items() if k != "tokens"}
+    if qk_clip:
+      out["max_attn_logit"] = head_max.max()
     out.update(loss=loss, grad_norm=grad_norm, target_tokens=metrics["tokens"],
                **load_balance(loads if loads.size else None))
     if lr_fn is not None:

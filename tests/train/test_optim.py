@@ -142,4 +142,27 @@ def test_qk_clip_scales():
 def test_bad_optim_config_is_one_line():
   from composer_jax.config import ConfigError, load_config
   with pytest.raises(ConfigError, match="optim.qk_clip"):
-    load_config(None, ["optim.qk_clip=100"])
+    load_config(None, ["optim.qk_clip=-1"])
+
+
+@pytest.mark.parametrize("q_lora", [64, 0])
+def test_qk_clip_brings_clipped_heads_to_tau(q_lora):
+  """After MuonClip on the recorded logits, the same batch's per-head max logit is exactly
+  min(max, tau): nope parts scale by sqrt(g)*sqrt(g), rope parts by g*1 (shared key untouched)."""
+  from flax import nnx
+  from composer_jax.config import load_config
+  from composer_jax.model import build_model
+  from composer_jax.train.step import apply_qk_clip, pop_max_logits
+  cfg = load_config("configs/tiny.yaml", [f"model.q_lora_rank={q_lora}", "model.init_std=0.3",
+                                           "model.n_layers=2", "model.mtp_depths=0"])
+  model = build_model(cfg, seed=1)
+  model.set_attributes(record_max_logit=True, raise_if_not_found=False)
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 24), 0, cfg.model.vocab_size)
+  fwd = nnx.jit(lambda m: pop_max_logits((m(tokens), m)[1]))
+  before = np.asarray(fwd(model))
+  tau = float(np.median(before))  # clip about half the heads
+  apply_qk_clip(model, jnp.asarray(before), tau)
+  # Only layer 0's input is unchanged by the clip (later layers see clipped attention outputs).
+  after = np.asarray(fwd(model))
+  np.testing.assert_allclose(after[0], np.minimum(before[0], tau), rtol=1e-4)
+  assert (before > tau).any()
