@@ -23,11 +23,37 @@ COMMAND_MODULES = [
 ]
 
 
+class IntermixedParser(argparse.ArgumentParser):
+  """Lets ``key=value`` overrides follow options (``--out DIR a.b=1``): plain argparse stops
+  filling a ``nargs='*'`` positional once an option has been seen."""
+
+  def parse_known_args(self, args=None, namespace=None):
+    if getattr(self, "_inner", False):
+      return super().parse_known_args(args, namespace)
+    self._inner = True
+    try:
+      return super().parse_known_intermixed_args(args, namespace)
+    finally:
+      self._inner = False
+
+
+def _intermix(parser: argparse.ArgumentParser) -> None:
+  """Make every leaf subcommand intermixed (argparse cannot intermix sub-parsers or REMAINDER)."""
+  for action in parser._actions:
+    if isinstance(action, argparse._SubParsersAction):
+      for child in action.choices.values():
+        _intermix(child)
+  if parser.prog != "composer-jax" and not any(
+      a.nargs in (argparse.PARSER, argparse.REMAINDER) for a in parser._actions):
+    parser.__class__ = IntermixedParser
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="composer-jax", description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True)
   for name in COMMAND_MODULES:
     importlib.import_module(name).register(sub)
+  _intermix(parser)
   return parser
 
 

@@ -10,7 +10,20 @@ The wasted work is the padding of each group's last block (about g * block_rows 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import jax
 from jax import lax
+
+
+def _varying_like(init, *operands):
+  """Give a loop's initial carry the operands' varying mesh axes, so the loop also runs inside
+  shard_map (whose type check requires carry-in and carry-out to vary over the same axes)."""
+  vma = set()
+  for o in jax.tree.leaves(operands):
+    mat = getattr(jax.typeof(o), "manual_axis_type", None)
+    vma |= set(getattr(mat, "varying", ()) or ())
+  if not vma:
+    return init
+  return jax.tree.map(lambda a: lax.pcast(a, tuple(sorted(vma)), to="varying"), init)
 
 
 def _used_blocks(layout):
@@ -33,7 +46,8 @@ def gmm_blocks(xp, rhs, layout, block_rows: int, *, transpose_rhs: bool = False,
     return lax.dynamic_update_slice_in_dim(out, y, b * block_rows, axis=0)
 
   # rows of unused trailing blocks stay zero (never read back)
-  return lax.fori_loop(0, _used_blocks(layout), body, jnp.zeros((mp, n), out_dtype))
+  init = _varying_like(jnp.zeros((mp, n), out_dtype), xp, rhs, layout)
+  return lax.fori_loop(0, _used_blocks(layout), body, init)
 
 
 def tgmm_blocks(xp, gp, layout, block_rows: int, num_groups: int, *, out_dtype=None):
@@ -57,5 +71,5 @@ def tgmm_blocks(xp, gp, layout, block_rows: int, num_groups: int, *, out_dtype=N
     return out, acc
 
   init = (jnp.zeros((num_groups, k, n), jnp.float32), jnp.zeros((k, n), jnp.float32))
-  out, _ = lax.fori_loop(0, used, body, init)
+  out, _ = lax.fori_loop(0, used, body, _varying_like(init, xp, gp, layout))
   return out.astype(out_dtype or xp.dtype)

@@ -44,13 +44,14 @@ class MLA(nnx.Module):
     if cfg.q_lora_rank:
       self.q_a = Linear(d, (cfg.q_lora_rank,), ("embed", "q_lora"), cfg, rngs)
       self.q_norm = RMSNorm(cfg.q_lora_rank, cfg)
-      self.q_b = Linear(cfg.q_lora_rank, (h, cfg.qk_head_dim), ("q_lora", "heads", "head_dim"), cfg, rngs)
+      self.q_b = Linear(cfg.q_lora_rank, (h, cfg.qk_head_dim), ("q_lora_up", "heads", "head_dim"),
+                        cfg, rngs)
     else:
       self.q_proj = Linear(d, (h, cfg.qk_head_dim), ("embed", "heads", "head_dim"), cfg, rngs)
     self.kv_a = Linear(d, (cfg.kv_lora_rank + cfg.qk_rope_dim,), ("embed", "kv_lora"), cfg, rngs)
     self.kv_norm = RMSNorm(cfg.kv_lora_rank, cfg)
     self.kv_b = Linear(cfg.kv_lora_rank, (h, cfg.qk_nope_dim + cfg.v_head_dim),
-                       ("kv_lora", "heads", "head_dim"), cfg, rngs)
+                       ("kv_lora_up", "heads", "head_dim"), cfg, rngs)
     self.o_proj = Linear(h * cfg.v_head_dim, (d,), ("heads", "embed"), cfg, rngs)
     self.scale = softmax_scale(cfg)
     # Off by default; the train step turns it on with model.set_attributes(record_max_logit=True)

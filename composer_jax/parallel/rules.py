@@ -28,8 +28,10 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     # Parameters.
     "vocab": ("tensor",),
     "embed": ("fsdp",),
-    "q_lora": (),
+    "q_lora": (),  # the latent as an output (q_a, kv_a: their input dim is already on fsdp)
     "kv_lora": (),
+    "q_lora_up": ("fsdp",),  # the latent as an input (q_b, kv_b): FSDP-shard the up-projections
+    "kv_lora_up": ("fsdp",),
     "heads": ("tensor",),
     "head_dim": (),
     "mlp": ("tensor",),

@@ -11,7 +11,6 @@ over the original context of the run it starts from.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import yaml
@@ -19,22 +18,7 @@ import yaml
 from composer_jax.config import ConfigError
 
 
-class _Intermixed(argparse.ArgumentParser):
-  """Lets ``key=value`` overrides follow options (``--out DIR a.b=1``): plain argparse stops
-  filling a ``nargs='*'`` positional once an option has been seen."""
-
-  def parse_known_args(self, args=None, namespace=None):
-    if getattr(self, "_inner", False):
-      return super().parse_known_args(args, namespace)
-    self._inner = True
-    try:
-      return super().parse_known_intermixed_args(args, namespace)
-    finally:
-      self._inner = False
-
-
 def _common(p, init_required: bool) -> None:
-  p.__class__ = _Intermixed
   p.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
   p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.steps=20")
   p.add_argument("--out", required=True, help="run directory (config, metrics, checkpoints, plots)")
