@@ -194,6 +194,10 @@ class Sandbox:
       return cmd
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
             "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+    # An interpreter or virtualenv living under /tmp (hidden by the tmpfs above) stays usable.
+    for prefix in sorted({sys.prefix, sys.base_prefix, sys.exec_prefix}):
+      if prefix == "/tmp" or prefix.startswith("/tmp/"):
+        argv += ["--ro-bind", prefix, prefix]
     if self.network:
       argv += ["--share-net"]
     for h in self.hide:  # before the binds, so a bound workspace under a hidden store stays visible

@@ -259,7 +259,8 @@ class ToolBox:
         "check", "--no-cache", "--output-format", "concise", "--isolated", "--select", "E9,F",
         os.path.relpath(full, self.root)]
     r = self.sandbox.run(cmd, max_output_chars=self.max_output_chars)
-    if r.exit_code not in (0, 1):
+    # ruff exits 1 for "problems found"; bwrap also exits 1 when it cannot start the program.
+    if r.exit_code not in (0, 1) or r.output.startswith("bwrap:"):
       raise ToolError(f"the linter failed (exit {r.exit_code}):\n{r.output}")
     return r.output.strip() or "no problems found"
 
