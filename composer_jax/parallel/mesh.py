@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from composer_jax.config import ConfigError, MeshConfig
-from composer_jax.parallel.rules import MESH_AXES, MESH_OPTIONS
+from composer_jax.parallel.rules import MESH_AXES
 
 
 def set_cpu_devices(n: int) -> None:
@@ -65,5 +65,4 @@ def build_mesh(cfg: MeshConfig, devices=None) -> Mesh:
   except Exception:  # non-TPU topologies or a partial device list: plain row-major order
     grid = np.asarray(devices[:total]).reshape(shape)
   mesh = Mesh(grid, MESH_AXES)
-  MESH_OPTIONS[mesh] = {"ep_strategy": cfg.ep_strategy}
   return mesh

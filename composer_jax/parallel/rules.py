@@ -144,15 +144,14 @@ def state_shardings(state, mesh: Mesh, rules: dict):
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("composer_jax_mesh", default=None)
 _OPTIONS: contextvars.ContextVar = contextvars.ContextVar("composer_jax_mesh_options", default=None)
-# Per-mesh options recorded by build_mesh (e.g. ep_strategy), used when activate() names none.
-MESH_OPTIONS: dict = {}
 
 
 @contextlib.contextmanager
 def activate(mesh: Mesh | None, rules: dict | None = None, **options):
   """Make ``mesh`` and ``rules`` the ones activation constraints (and jit) use inside the block.
 
-  ``options`` (e.g. ``ep_strategy="all_gather"``) override what ``build_mesh`` recorded for the mesh.
+  ``options`` carry mesh-level choices the model reads while tracing (e.g. ``ep_strategy``, from
+  ``mesh.ep_strategy``; callers pass them from the config).
   """
   token = _ACTIVE.set((mesh, rules or DEFAULT_RULES) if mesh is not None else None)
   opt_token = _OPTIONS.set(options or None)
@@ -168,15 +167,8 @@ def activate(mesh: Mesh | None, rules: dict | None = None, **options):
 
 
 def active_option(name: str, default=None):
-  """An option of the active block, else the one recorded for the active mesh, else ``default``."""
-  opts = _OPTIONS.get() or {}
-  if name in opts:
-    return opts[name]
-  mesh = active()[0]
-  try:
-    return MESH_OPTIONS.get(mesh, {}).get(name, default)
-  except TypeError:  # an unhashable mesh-like object
-    return default
+  """An option given to the active ``activate`` block, else ``default``."""
+  return (_OPTIONS.get() or {}).get(name, default)
 
 
 def active() -> tuple[Mesh | None, dict]:

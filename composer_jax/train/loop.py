@@ -146,12 +146,14 @@ class Trainer:
   eval_fn: Callable
 
 
-def _activate(mesh, rules):
+def _activate(mesh, rules, cfg: Config):
   """The mesh/rules context for the model's activation constraints (none needed on one device)."""
   import contextlib
 
   from composer_jax.parallel.rules import activate
-  return activate(mesh, rules) if mesh.size > 1 else contextlib.nullcontext()
+  if mesh.size == 1:
+    return contextlib.nullcontext()
+  return activate(mesh, rules, ep_strategy=cfg.mesh.ep_strategy)
 
 
 def build_trainer(cfg: Config, mesh=None) -> Trainer:
@@ -161,7 +163,7 @@ def build_trainer(cfg: Config, mesh=None) -> Trainer:
   from composer_jax.parallel.rules import make_rules, state_shardings
   mesh = mesh if mesh is not None else build_mesh(cfg.mesh)
   rules = make_rules(cfg.mesh.rules)
-  with _activate(mesh, rules):
+  with _activate(mesh, rules, cfg):
     model = build_model(cfg, mesh, seed=cfg.train.seed, rules=rules)
   graphdef, params, rest = split_model(model)
   lr_fn = optim.schedule(cfg.optim, cfg.train.steps)
@@ -184,11 +186,11 @@ def build_trainer(cfg: Config, mesh=None) -> Trainer:
   jit_eval = jax.jit(make_eval_step(graphdef), in_shardings=(p_sh, r_sh, batch_sharding, repl))
 
   def step_fn(state, batch):
-    with _activate(mesh, rules):
+    with _activate(mesh, rules, cfg):
       return jit_step(state, batch)
 
   def eval_fn(params, rest, batch, byte_lengths):
-    with _activate(mesh, rules):
+    with _activate(mesh, rules, cfg):
       return jit_eval(params, rest, batch, byte_lengths)
 
   return Trainer(cfg, mesh, graphdef, state, shardings, batch_sharding, tx, lr_fn, step_fn, eval_fn)
