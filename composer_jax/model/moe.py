@@ -17,7 +17,7 @@ from flax import nnx
 from composer_jax.config import ModelConfig
 from composer_jax.kernels import gmm
 from composer_jax.model.layers import KeySeq, MLP, dtype_of, param
-from composer_jax.model.routing import expert_load, route, sequence_aux_loss, update_router_bias
+from composer_jax.model.routing import expert_load, route, sequence_aux_loss
 from composer_jax.parallel.rules import active, constrain
 
 
@@ -100,13 +100,3 @@ class MoE(nnx.Module):
            else jnp.zeros((), jnp.float32))
     return y.astype(x.dtype), MoEStats(ids.reshape(b, s, -1), expert_load(ids, cfg.n_routed_experts), aux)
 
-
-def moe_layers(model: nnx.Module) -> list[MoE]:
-  """Every MoE module of a model (main stack then MTP), in a fixed order."""
-  return [m for _, m in model.iter_modules() if isinstance(m, MoE)]
-
-
-def apply_router_bias_update(model: nnx.Module, loads: jax.Array, rate: float) -> None:
-  """In-place aux-loss-free update of each MoE layer's bias from its loads [n_moe, E]."""
-  for layer, load in zip(moe_layers(model), loads):
-    layer.router_bias.set_value(update_router_bias(layer.router_bias[...], load, rate))
