@@ -1,8 +1,8 @@
 """MoE layer forward+backward on CPU through each gmm backend, as a fraction of the machine's matmul
 peak measured in the same run (issue 4 goal: >= 50 % with the sorted dropless path).
 
-Layer: router -> top-k -> sort (token, expert) pairs by expert -> gmm gate/up -> SwiGLU -> gmm down
--> weighted combine. Useful FLOPs = 3 x forward expert FLOPs (fwd + 2 backward products), router
+Layer: router -> top-k -> the model's dropless_moe (tokens gathered straight into the block layout
+sorted by expert -> gmm gate/up -> SwiGLU -> gmm down -> gathered back -> weighted combine). Useful FLOPs = 3 x forward expert FLOPs (fwd + 2 backward products), router
 and glue excluded (they are what an implementation must hide).
 
   python experiments/kernels_moe_cpu.py [--tokens 2048] [--quick]
@@ -39,30 +39,20 @@ def interleaved_best(fn, args, peak_n: int, rounds: int):
 
 
 def moe_layer(params, x, *, top_k: int, impl: str, precision: str = "bf16"):
-  from composer_jax.kernels import gmm
-  t, _ = x.shape
-  e = params["w_gate_up"].shape[0]
+  """Router + the model's own dropless expert layer (composer_jax.model.moe.dropless_moe)."""
+  from composer_jax.model.moe import dropless_moe
   logits = x @ params["router"]
   weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
-  flat_e = experts.reshape(-1)
-  order = jnp.argsort(flat_e, stable=True)
-  token = order // top_k
-  sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-  xs = x[token]
-  h = gmm(xs, params["w_gate_up"], sizes, impl=impl, precision=precision)
-  gate, up = jnp.split(h, 2, axis=-1)
-  y = gmm(jax.nn.silu(gate) * up, params["w_down"], sizes, impl=impl, precision=precision)
-  # combine with a gather (inverse permutation) rather than a scatter-add: faster on XLA:CPU
-  inv = jnp.argsort(order)
-  y = y[inv].reshape(t, top_k, -1)
-  return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
+  return dropless_moe(x, experts, weights, params["w_gate"], params["w_up"], params["w_down"],
+                      impl=impl, precision=precision)
 
 
 def init(key, d, f, e, dtype=jnp.float32):
-  k1, k2, k3 = jax.random.split(key, 3)
+  k1, k2, k3, k4 = jax.random.split(key, 4)
   return {
       "router": jax.random.normal(k1, (d, e), dtype) * d ** -0.5,
-      "w_gate_up": jax.random.normal(k2, (e, d, 2 * f), dtype) * d ** -0.5,
+      "w_gate": jax.random.normal(k2, (e, d, f), dtype) * d ** -0.5,
+      "w_up": jax.random.normal(k4, (e, d, f), dtype) * d ** -0.5,
       "w_down": jax.random.normal(k3, (e, f, d), dtype) * f ** -0.5,
   }
 

@@ -17,11 +17,18 @@ accumulates in float32; the master weights and the cotangents handed back stay f
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from composer_jax.kernels import gmm_pallas_gpu, gmm_pallas_tpu, gmm_sorted
-from composer_jax.kernels.gmm_layout import from_blocks, make_layout, to_blocks
+from composer_jax.kernels.gmm_layout import (
+  BlockLayout,
+  from_blocks,
+  make_layout,
+  to_blocks,
+  varying_like,
+)
 from composer_jax.kernels.quant import (
   fake_quant,
   quantize_fp8_rowwise,
@@ -50,12 +57,12 @@ def _resolve_impl(impl: str) -> str:
 
 
 def default_block_rows(impl: str, m: int, g: int, precision: str) -> int:
-  """Rows per block. CPU (sorted): about a quarter of the mean group size, so padding each group's
-  last block wastes ~1/8 of the rows, clamped to [64, 256] so each dot stays matmul-shaped.
+  """Rows per block. CPU (sorted): blocks only set the padding (the products run on chunks of up to
+  512 rows), so about an eighth of the mean group size, wasting ~1/16 of the rows, in [16, 64].
   Kernels: 128 (MXU / tensor-core tile)."""
   if impl == "sorted":
-    target = max(m // max(4 * g, 1), 1)
-    bm = min(max(1 << (target.bit_length() - 1), 64), 256)
+    target = max(m // max(8 * g, 1), 1)
+    bm = min(max(1 << (target.bit_length() - 1), 16), 64)
   else:
     bm = 128
   if precision != "bf16":  # token-axis scale blocks must not straddle two groups
@@ -169,22 +176,56 @@ def _check(lhs, rhs, group_sizes, impl, precision):
   _resolve_impl(impl)
 
 
+class RowPlan(NamedTuple):
+  """A block layout with the backend choices that go with it: build once per routing, then run any
+  number of products over the same padded rows (the MoE's gate/up and down share one)."""
+  layout: BlockLayout
+  block_rows: int
+  impl: str
+  precision: str
+  interpret_target: str
+
+
+def plan_rows(group_sizes, m: int, *, impl: str = "auto", precision: str = "bf16",
+              block_rows: int | None = None, interpret_target: str = "gpu") -> RowPlan:
+  """Resolve the backend and lay ``m`` group-sorted rows out in blocks for it."""
+  if precision not in PRECISIONS:
+    raise ValueError(f"gmm: precision={precision!r} is not one of {PRECISIONS}")
+  impl = _resolve_impl(impl)
+  bm = block_rows or default_block_rows(impl, m, group_sizes.shape[0], precision)
+  return RowPlan(make_layout(group_sizes, m, bm), bm, impl, precision, interpret_target)
+
+
+def gmm_planned(xp, rhs, plan: RowPlan):
+  """``gmm`` on rows already in the plan's block layout (``to_blocks``): [P,k] x [g,k,n] -> [P,n]
+  float32, padding rows zero. Differentiable in xp and rhs."""
+  if plan.precision != "bf16":
+    mult = RECIPES[plan.precision][1]
+    if xp.shape[1] % mult or rhs.shape[2] % mult:
+      raise ValueError(f"gmm: precision={plan.precision} needs k and n multiples of {mult}; got "
+                       f"k={xp.shape[1]}, n={rhs.shape[2]} (use gmm_precision=bf16 or resize)")
+  # Inside shard_map, give both operands the union of their varying mesh axes *outside* the custom
+  # VJP: its backward returns cotangents that vary like the products, and the pcast's own transpose
+  # (a psum) then brings e.g. a data-invariant weight's gradient back to invariant.
+  xp, rhs = (varying_like(a, xp, rhs, plan.layout) for a in (xp, rhs))
+  return _gmm_padded(xp, rhs, plan.layout, plan.impl, plan.precision, plan.block_rows,
+                     plan.interpret_target)
+
+
 def gmm(lhs, rhs, group_sizes, *, impl: str = "auto", precision: str = "bf16",
         preferred_element_type=None, block_rows: int | None = None,
         interpret_target: str = "gpu"):
   """Grouped matmul ``[m,k] x [g,k,n] -> [m,n]``, differentiable in lhs and rhs."""
   _check(lhs, rhs, group_sizes, impl, precision)
-  impl = _resolve_impl(impl)
   out_dtype = preferred_element_type or lhs.dtype
-  if impl == "xla" and precision == "bf16":  # ragged_dot with its own autodiff: the contrast path
+  if _resolve_impl(impl) == "xla" and precision == "bf16":  # ragged_dot's own autodiff: the contrast
     return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32),
                               preferred_element_type=out_dtype)
-  m, g = lhs.shape[0], rhs.shape[0]
-  bm = block_rows or default_block_rows(impl, m, g, precision)
-  layout = make_layout(group_sizes, m, bm)
-  xp = to_blocks(lhs, layout.src, layout.dest)
-  yp = _gmm_padded(xp, rhs, layout, impl, precision, bm, interpret_target)
-  return from_blocks(yp, layout.src, layout.dest).astype(out_dtype)
+  plan = plan_rows(group_sizes, lhs.shape[0], impl=impl, precision=precision,
+                   block_rows=block_rows, interpret_target=interpret_target)
+  xp = to_blocks(lhs, plan.layout.src, plan.layout.dest)
+  yp = gmm_planned(xp, rhs, plan)
+  return from_blocks(yp, plan.layout.src, plan.layout.dest).astype(out_dtype)
 
 
 def tgmm(lhs, grad, group_sizes, *, num_groups: int | None = None, impl: str = "auto",

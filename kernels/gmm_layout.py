@@ -8,10 +8,12 @@ quantization along the token axis never mixes two groups in one scale block.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 class BlockLayout(NamedTuple):
@@ -55,13 +57,37 @@ def make_layout(group_sizes, m: int, block_rows: int) -> BlockLayout:
   return BlockLayout(src.astype(jnp.int32), dest.astype(jnp.int32), block_group, group_block_start)
 
 
+def _vma(x) -> set:
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  return set(getattr(mat, "varying", ()) or ())
+
+
+def varying_like(init, *operands):
+  """Give ``init`` (a loop's initial carry, an operand) the operands' varying mesh axes, so the code
+  also type-checks inside shard_map (loop carry-in and carry-out must vary over the same axes)."""
+  vma = set().union(*(_vma(o) for o in jax.tree.leaves(operands)))
+
+  def lift(a):
+    missing = vma - _vma(a)
+    return lax.pcast(a, tuple(sorted(missing)), to="varying") if missing else a
+
+  return jax.tree.map(lift, init) if vma else init
+
+
 def _gather_rows(x, idx):
   return x.at[idx].get(mode="fill", fill_value=0)
 
 
-@jax.custom_vjp
 def to_blocks(x, src, dest):
   """[m, d] -> [num_blocks * block_rows, d], padding rows zero. A gather both ways (no scatter)."""
+  return _to_blocks(varying_like(x, x, src, dest), src, dest)
+
+
+# Each gather below is a custom VJP whose backward is a gather too. Inside shard_map its data
+# operand is first lifted to the index arrays' varying axes (above): the backward's cotangent varies
+# like the indices, and the lift's own transpose (a psum) makes the gradient match the input again.
+@jax.custom_vjp
+def _to_blocks(x, src, dest):
   return _gather_rows(x, src)
 
 
@@ -73,12 +99,16 @@ def _to_bwd(res, ct):
   return _gather_rows(ct, res[1]), None, None
 
 
-to_blocks.defvjp(_to_fwd, _to_bwd)
+_to_blocks.defvjp(_to_fwd, _to_bwd)
+
+
+def from_blocks(xp, src, dest):
+  """[num_blocks * block_rows, d] -> [m, d]; rows past the groups come back as zeros."""
+  return _from_blocks(varying_like(xp, xp, src, dest), src, dest)
 
 
 @jax.custom_vjp
-def from_blocks(xp, src, dest):
-  """[num_blocks * block_rows, d] -> [m, d]; rows past the groups come back as zeros."""
+def _from_blocks(xp, src, dest):
   return _gather_rows(xp, dest)
 
 
@@ -90,4 +120,45 @@ def _from_bwd(res, ct):
   return _gather_rows(ct, res[0]), None, None
 
 
-from_blocks.defvjp(_from_fwd, _from_bwd)
+_from_blocks.defvjp(_from_fwd, _from_bwd)
+
+
+# --------------------------------------------------------------------------------------------------
+# Top-k dispatch straight into the block layout (the MoE): tokens in, (token, slot) pairs out
+# --------------------------------------------------------------------------------------------------
+
+
+def pair_maps(order, inverse, layout: BlockLayout):
+  """Compose the sort by expert with the block layout, for the m = T*k (token, slot) pairs.
+
+  order / inverse: the pairs sorted by group and its inverse permutation. Returns (row_pair
+  [num_blocks * block_rows]: the pair in each padded row, m = padding; pair_row [m]: the padded row
+  of each pair) — the (src, dest) of ``from_blocks`` for pairs in their original order.
+  """
+  m = order.shape[0]
+  row_pair = order.at[layout.src].get(mode="fill", fill_value=m)
+  return row_pair.astype(jnp.int32), layout.dest[inverse]
+
+
+def gather_tokens(x, row_pair, pair_row, k: int):
+  """x[T, d] -> [num_blocks * block_rows, d]: each padded row holds the token of its pair (zeros for
+  padding). One gather replaces "repeat each token k times, sort, pad"; the backward is a gather
+  too (each token sums its k rows), never a scatter-add, which XLA:CPU runs slowly."""
+  return _gather_tokens(varying_like(x, x, row_pair, pair_row), row_pair, pair_row, k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gather_tokens(x, row_pair, pair_row, k):
+  return _gather_rows(x, row_pair // k)  # padding: m // k = T, out of range -> zero
+
+
+def _tokens_fwd(x, row_pair, pair_row, k):
+  return _gather_tokens(x, row_pair, pair_row, k), (pair_row, x.shape[0])
+
+
+def _tokens_bwd(k, res, ct):
+  pair_row, n_tok = res
+  return _gather_rows(ct, pair_row).reshape(n_tok, k, ct.shape[1]).sum(1), None, None
+
+
+_gather_tokens.defvjp(_tokens_fwd, _tokens_bwd)

@@ -4,6 +4,9 @@ Operands are in the block layout (gmm_layout): grid row b is one block of ``bloc
 by group ``block_group[b]``, whose weight tile the kernel reads straight from the full rhs array.
 Triton has no scalar-prefetch grid, so the group id is a scalar load inside the kernel and the K loop
 is an in-kernel fori_loop with a float32 accumulator.
+
+Every pallas_call passes Triton compiler params: that is what selects the Triton lowering (the GPU
+default is Mosaic GPU). tests/kernels/test_lowering.py lowers each kernel for CUDA on a CPU machine.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 
 def pick_tile(dim: int, preferred: int = 128) -> int:
@@ -24,6 +28,39 @@ def pick_tile(dim: int, preferred: int = 128) -> int:
       return t
     t //= 2
   return dim
+
+
+# Hopper has 227 KB of shared memory per block; keep the pipelined operand tiles well inside it
+_SMEM_BUDGET = 192 * 1024
+
+
+def triton_params(stage_bytes: int, num_warps: int = 4):
+  """Explicit Triton params: without them pallas_call on GPU picks the Mosaic GPU backend, which
+  stages every BlockSpec'd operand (the full weight array) in shared memory. ``stage_bytes``: the
+  operand tiles one K step loads; Triton's software pipeline keeps ``num_stages`` of them in
+  shared memory."""
+  stages = max(1, min(4, _SMEM_BUDGET // max(stage_bytes, 1)))
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=stages)
+
+
+def _tile_for(dim: int, *dtypes) -> int:
+  """128-wide tiles for <= 16-bit operands, 64 for float32 (so a pipeline stage stays <= 64 KB)."""
+  wide = max(jnp.dtype(d).itemsize for d in dtypes)
+  return pick_tile(dim, 128 if wide <= 2 else 64)
+
+
+def _check_pow2(what: str, interpret: bool, **dims):
+  """Triton loads only power-of-two tiles (interpret mode takes any shape)."""
+  bad = {k: v for k, v in dims.items() if v & (v - 1)}
+  if bad and not interpret:
+    raise ValueError(f"{what}: Triton needs power-of-two tiles, got {bad}; pad k / n to a multiple "
+                     "of 16 and use a power-of-two block_rows (or impl='xla' / 'sorted')")
+
+
+def _common(a, b):
+  """Triton dots need both operands in one dtype (XLA would promote a mixed bf16 x f32 product)."""
+  dt = jnp.promote_types(a.dtype, b.dtype)
+  return a.astype(dt), b.astype(dt)
 
 
 def _full(shape):
@@ -41,10 +78,10 @@ def _gmm_kernel(gid_ref, gbs_ref, x_ref, w_ref, o_ref, *, nk, bk, bn, transpose_
     def body(kk, acc):
       x = x_ref[:, pl.ds(kk * bk, bk)]
       if transpose_rhs:
-        w = w_ref[grp, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)]
+        x, w = _common(x, w_ref[grp, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)])
         d = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
       else:
-        w = w_ref[grp, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)]
+        x, w = _common(x, w_ref[grp, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)])
         d = jnp.dot(x, w, preferred_element_type=jnp.float32)
       return acc + d
 
@@ -62,7 +99,9 @@ def gmm_blocks(xp, rhs, layout, block_rows: int, *, transpose_rhs: bool = False,
   mp, k = xp.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   nb = mp // block_rows
-  bk, bn = pick_tile(k), pick_tile(n)
+  bk, bn = _tile_for(k, xp.dtype, rhs.dtype), _tile_for(n, xp.dtype, rhs.dtype)
+  _check_pow2("gmm (Pallas GPU)", interpret, block_rows=block_rows, bk=bk, bn=bn)
+  wide = max(xp.dtype.itemsize, rhs.dtype.itemsize)
   kernel = functools.partial(_gmm_kernel, nk=k // bk, bk=bk, bn=bn, transpose_rhs=transpose_rhs)
   return pl.pallas_call(
       kernel,
@@ -75,6 +114,7 @@ def gmm_blocks(xp, rhs, layout, block_rows: int, *, transpose_rhs: bool = False,
           _full(rhs.shape),
       ],
       out_specs=pl.BlockSpec((block_rows, bn), lambda b, j: (b, j)),
+      compiler_params=triton_params((block_rows + bn) * bk * wide),
       interpret=interpret,
       name="gmm_gpu",
   )(layout.block_group, layout.group_block_start, xp, rhs)
@@ -85,7 +125,7 @@ def _tgmm_kernel(gbs_ref, x_ref, g_ref, o_ref, *, bm, bk, bn):
 
   def body(b, acc):
     x = x_ref[pl.ds(b * bm, bm), pl.ds(i * bk, bk)]
-    gr = g_ref[pl.ds(b * bm, bm), pl.ds(j * bn, bn)]
+    x, gr = _common(x, g_ref[pl.ds(b * bm, bm), pl.ds(j * bn, bn)])
     return acc + lax.dot_general(x, gr, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
   # the group's blocks are contiguous; an empty group runs zero iterations and stores zeros
@@ -98,7 +138,9 @@ def tgmm_blocks(xp, gp, layout, block_rows: int, num_groups: int, *, out_dtype=N
   """Per-group xp^T @ gp -> [g, k, n]."""
   k = xp.shape[1]
   n = gp.shape[1]
-  bk, bn = pick_tile(k), pick_tile(n)
+  bk, bn = _tile_for(k, xp.dtype, gp.dtype), _tile_for(n, xp.dtype, gp.dtype)
+  _check_pow2("tgmm (Pallas GPU)", interpret, block_rows=block_rows, bk=bk, bn=bn)
+  wide = max(xp.dtype.itemsize, gp.dtype.itemsize)
   kernel = functools.partial(_tgmm_kernel, bm=block_rows, bk=bk, bn=bn)
   gbs = layout.group_block_start[:num_groups + 1]
   return pl.pallas_call(
@@ -107,6 +149,7 @@ def tgmm_blocks(xp, gp, layout, block_rows: int, num_groups: int, *, out_dtype=N
       grid=(num_groups, k // bk, n // bn),
       in_specs=[_full(gbs.shape), _full(xp.shape), _full(gp.shape)],
       out_specs=pl.BlockSpec((None, bk, bn), lambda g, i, j: (g, i, j)),
+      compiler_params=triton_params(block_rows * (bk + bn) * wide),
       interpret=interpret,
       name="tgmm_gpu",
   )(gbs, xp, gp)
@@ -150,6 +193,7 @@ def gmm_fp8_blocks(xq, xs, wq, ws, layout, block_rows: int, *, transpose_rhs: bo
   mp, k = xq.shape
   n = wq.shape[1] if transpose_rhs else wq.shape[2]
   bk = bn = 128
+  _check_pow2("gmm fp8 (Pallas GPU)", interpret, block_rows=block_rows)
   kernel = functools.partial(_gmm_fp8_kernel, nk=k // bk, bk=bk, bn=bn, transpose_rhs=transpose_rhs)
   return pl.pallas_call(
       kernel,
@@ -164,6 +208,7 @@ def gmm_fp8_blocks(xq, xs, wq, ws, layout, block_rows: int, *, transpose_rhs: bo
           _full(ws.shape),
       ],
       out_specs=pl.BlockSpec((block_rows, bn), lambda b, j: (b, j)),
+      compiler_params=triton_params((block_rows + bn) * bk),  # 1-byte E4M3 tiles
       interpret=interpret,
       name="gmm_fp8_gpu",
   )(layout.block_group, layout.group_block_start, xq, xs, wq, ws)

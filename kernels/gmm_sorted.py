@@ -1,75 +1,92 @@
-"""CPU dropless grouped matmul on the block layout: one dense product per row block in use.
+"""CPU dropless grouped matmul on the block layout: a few large dense products per group.
 
 ragged_dot on XLA:CPU is a masked dense product over every group (g times the FLOPs). Here a loop
-runs over the blocks actually in use (a dynamic trip count, so the static upper bound of
-``m / block_rows + g`` blocks costs nothing) and each block multiplies only its own group's weight
-matrix, a plain [bm, k] x [k, n] dot that XLA:CPU runs near its dense-matmul speed, written in place.
-The wasted work is the padding of each group's last block (about g * block_rows / 2 rows).
+runs over the groups; each group's rows (a whole number of ``block_rows`` blocks, contiguous in the
+layout) are cut into chunks by the binary digits of its block count: up to ``2**levels`` blocks per
+chunk, so a 288-row group at 32-row blocks is one 256-row and one 32-row product, not nine 32-row
+ones. Every chunk is a plain static-shape dot against the group's weight matrix that XLA:CPU runs
+near its dense-matmul speed, written in place. Measured on a 2-core CPU (k=768, n=1024, 16 groups of
+~256 rows): one product per 64-row block ran at 55 % (forward) and 33-45 % (transposed) of the dense
+matmul; this chunking runs at 75-83 % and 65-78 %. The wasted work is the padding of each group's
+last block (about g * block_rows / 2 rows).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
-import jax
+from composer_jax.kernels.gmm_layout import varying_like
 from jax import lax
 
-
-def _varying_like(init, *operands):
-  """Give a loop's initial carry the operands' varying mesh axes, so the loop also runs inside
-  shard_map (whose type check requires carry-in and carry-out to vary over the same axes)."""
-  vma = set()
-  for o in jax.tree.leaves(operands):
-    mat = getattr(jax.typeof(o), "manual_axis_type", None)
-    vma |= set(getattr(mat, "varying", ()) or ())
-  if not vma:
-    return init
-  return jax.tree.map(lambda a: lax.pcast(a, tuple(sorted(vma)), to="varying"), init)
+# chunks span up to this many rows: past ~512 rows XLA:CPU's dot is already at its dense speed
+MAX_CHUNK_ROWS = 512
 
 
-def _used_blocks(layout):
-  return layout.group_block_start[-1]
+def _levels(block_rows: int, total_rows: int) -> int:
+  """Chunk sizes are block_rows * 2**j for j < levels + 1, none larger than the padded rows."""
+  return max((min(MAX_CHUNK_ROWS, total_rows) // block_rows).bit_length() - 1, 0)
+
+
+def _over_chunks(first_block, n_blocks, block_rows: int, total_rows: int, fn, carry):
+  """carry = fn(row, size, carry) over ``n_blocks`` blocks from ``first_block``, in chunks whose
+  static sizes follow the binary digits of ``n_blocks`` (the largest size repeats)."""
+  levels = _levels(block_rows, total_rows)
+  top = block_rows << levels
+  n_top = n_blocks >> levels
+  row0 = first_block * block_rows
+  carry = lax.fori_loop(0, n_top, lambda i, c: fn(row0 + i * top, top, c), carry)
+  row = row0 + n_top * top
+  for j in range(levels - 1, -1, -1):
+    size = block_rows << j
+
+    def take(c, r, size=size):
+      return fn(r, size, c), r + size
+
+    carry, row = lax.cond((n_blocks >> j) & 1 == 1, take, lambda c, r: (c, r), carry, row)
+  return carry
+
+
+def _group_span(layout, gi):
+  start = layout.group_block_start[gi]
+  return start, layout.group_block_start[gi + 1] - start
 
 
 def gmm_blocks(xp, rhs, layout, block_rows: int, *, transpose_rhs: bool = False, out_dtype=None):
-  """xp[nb*bm, k] @ rhs[group of block] -> [nb*bm, n]; ``transpose_rhs``: rhs is [g, n, k]."""
+  """xp[nb*bm, k] @ rhs[group of block] -> [nb*bm, n]. ``transpose_rhs`` (the dlhs product):
+  xp[nb*bm, n] @ rhs[g]^T with rhs still [g, k, n], contracted in place, never copied transposed."""
   mp = xp.shape[0]
-  if transpose_rhs:  # one transpose of all experts up front, not one per block inside the loop
-    rhs = jnp.swapaxes(rhs, 1, 2)
-  n = rhs.shape[2]
-  dims = (((1,), (0,)), ((), ()))
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  dims = (((1,), (1 if transpose_rhs else 0,)), ((), ()))
   out_dtype = out_dtype or xp.dtype
 
-  def body(b, out):
-    x = lax.dynamic_slice_in_dim(xp, b * block_rows, block_rows, axis=0)
-    w = lax.dynamic_index_in_dim(rhs, layout.block_group[b], axis=0, keepdims=False)
-    y = lax.dot_general(x, w, dims, preferred_element_type=jnp.float32).astype(out_dtype)
-    return lax.dynamic_update_slice_in_dim(out, y, b * block_rows, axis=0)
+  def per_group(gi, out):
+    w = lax.dynamic_index_in_dim(rhs, gi, axis=0, keepdims=False)
+
+    def chunk(r, size, o):
+      x = lax.dynamic_slice_in_dim(xp, r, size, axis=0)
+      y = lax.dot_general(x, w, dims, preferred_element_type=jnp.float32).astype(out_dtype)
+      return lax.dynamic_update_slice_in_dim(o, y, r, axis=0)
+
+    return _over_chunks(*_group_span(layout, gi), block_rows, mp, chunk, out)
 
   # rows of unused trailing blocks stay zero (never read back)
-  init = _varying_like(jnp.zeros((mp, n), out_dtype), xp, rhs, layout)
-  return lax.fori_loop(0, _used_blocks(layout), body, init)
+  init = varying_like(jnp.zeros((mp, n), out_dtype), xp, rhs, layout)
+  return lax.fori_loop(0, rhs.shape[0], per_group, init)
 
 
 def tgmm_blocks(xp, gp, layout, block_rows: int, num_groups: int, *, out_dtype=None):
-  """Per-group xp^T @ gp -> [g, k, n]. A group's blocks are contiguous, so the running sum lives in
-  the loop carry and is written once per group, not read-modified-written once per block."""
+  """Per-group xp^T @ gp -> [g, k, n]. A group's rows are contiguous: its sum is accumulated over
+  its few chunks and emitted once, as a scan output (no zero-filled [g, k, n] carry to update)."""
   k, n = xp.shape[1], gp.shape[1]
-  used = _used_blocks(layout)
-  bg = layout.block_group
+  contract_rows = (((0,), (0,)), ((), ()))
 
-  def body(b, carry):
-    out, acc = carry
-    x = lax.dynamic_slice_in_dim(xp, b * block_rows, block_rows, axis=0)
-    gr = lax.dynamic_slice_in_dim(gp, b * block_rows, block_rows, axis=0)
-    grp = bg[b]
-    first = (b == 0) | (bg[jnp.maximum(b - 1, 0)] != grp)
-    acc = jnp.where(first, 0.0, acc) + lax.dot_general(
-        x, gr, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    last = (b == used - 1) | (bg[jnp.minimum(b + 1, bg.shape[0] - 1)] != grp)
-    out = lax.cond(last, lambda o: lax.dynamic_update_index_in_dim(o, acc, grp, axis=0),
-                   lambda o: o, out)
-    return out, acc
+  def per_group(_, gi):
+    def chunk(r, size, acc):
+      x = lax.dynamic_slice_in_dim(xp, r, size, axis=0)
+      g = lax.dynamic_slice_in_dim(gp, r, size, axis=0)
+      return acc + lax.dot_general(x, g, contract_rows, preferred_element_type=jnp.float32)
 
-  init = (jnp.zeros((num_groups, k, n), jnp.float32), jnp.zeros((k, n), jnp.float32))
-  out, _ = lax.fori_loop(0, used, body, _varying_like(init, xp, gp, layout))
-  return out.astype(out_dtype or xp.dtype)
+    acc = _over_chunks(*_group_span(layout, gi), block_rows, xp.shape[0], chunk,
+                       varying_like(jnp.zeros((k, n), jnp.float32), xp, gp, layout))
+    return None, acc.astype(out_dtype or xp.dtype)
+
+  return lax.scan(per_group, None, jnp.arange(num_groups, dtype=jnp.int32))[1]

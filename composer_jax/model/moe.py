@@ -15,8 +15,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from composer_jax.config import ModelConfig
-from composer_jax.kernels import gmm
-from composer_jax.model.layers import KeySeq, MLP, dtype_of, param
+from composer_jax.kernels.gmm import RowPlan, gmm_planned, plan_rows
+from composer_jax.kernels.gmm_layout import (
+  from_blocks,
+  gather_tokens,
+  pair_maps,
+  to_blocks,
+)
+from composer_jax.model.layers import MLP, KeySeq, dtype_of, param
 from composer_jax.model.routing import expert_load, route, sequence_aux_loss
 from composer_jax.parallel.rules import active, constrain
 
@@ -43,24 +49,36 @@ def sort_by_expert(expert_ids: jax.Array, n_experts: int):
   return order, inverse, group_sizes
 
 
+def _ffn_on_blocks(xp, plan: RowPlan, w_gate, w_up, w_down):
+  """SwiGLU per padded row with its group's expert. Padding rows stay zero (silu(0) * 0 = 0).
+  Gate and up are two products over the one shared layout: concatenating the weights instead
+  copies [E, d, 2f] forward and splits its gradient backward, which measured slower on CPU."""
+  h = jax.nn.silu(gmm_planned(xp, w_gate, plan)) * gmm_planned(xp, w_up, plan)
+  return gmm_planned(h.astype(xp.dtype), w_down, plan)
+
+
 def expert_ffn(xs, group_sizes, w_gate, w_up, w_down, *, impl: str, precision: str):
-  """SwiGLU of each row with its group's expert weights; rows sorted by group."""
-  kw = dict(impl=impl, precision=precision)
-  # One grouped matmul for gate and up: the row layout (and quantization) is paid once, not twice.
-  f = w_gate.shape[-1]
-  gu = gmm(xs, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes, **kw)
-  h = jax.nn.silu(gu[:, :f]) * gu[:, f:]
-  return gmm(h.astype(xs.dtype), w_down, group_sizes, **kw)
+  """SwiGLU of each row with its group's expert weights; rows sorted by group (the EP path)."""
+  plan = plan_rows(group_sizes, xs.shape[0], impl=impl, precision=precision)
+  xp = to_blocks(xs, plan.layout.src, plan.layout.dest)
+  yp = _ffn_on_blocks(xp, plan, w_gate, w_up, w_down)
+  return from_blocks(yp, plan.layout.src, plan.layout.dest).astype(xs.dtype)
 
 
 def dropless_moe(x, expert_ids, weights, w_gate, w_up, w_down, *, impl: str = "auto",
                  precision: str = "bf16"):
-  """Single-shard routed experts: x [T,d], expert_ids/weights [T,k] -> [T,d]."""
+  """Single-shard routed experts: x [T,d], expert_ids/weights [T,k] -> [T,d].
+
+  Tokens go straight into the block layout sorted by expert (one gather), both expert products run
+  there, and the rows come back in (token, slot) order (one gather) for the weighted sum: no
+  intermediate sorted copy, no scatter-add, forward or backward.
+  """
   n_tok, k = expert_ids.shape
   order, inverse, group_sizes = sort_by_expert(expert_ids, w_gate.shape[0])
-  xs = x[order // k]
-  ys = expert_ffn(xs, group_sizes, w_gate, w_up, w_down, impl=impl, precision=precision)
-  y = ys[inverse].reshape(n_tok, k, -1)
+  plan = plan_rows(group_sizes, n_tok * k, impl=impl, precision=precision)
+  row_pair, pair_row = pair_maps(order, inverse, plan.layout)
+  yp = _ffn_on_blocks(gather_tokens(x, row_pair, pair_row, k), plan, w_gate, w_up, w_down)
+  y = from_blocks(yp.astype(x.dtype), row_pair, pair_row).reshape(n_tok, k, -1)
   return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
 
 

@@ -123,12 +123,7 @@ def _local_experts(rows, expert_ids, n_loc, w_gate, w_up, w_down, cfg):
   """Rows [R, d] with local expert ids in [0, n_loc] (n_loc = none) -> outputs in the same order."""
   from composer_jax.model.moe import expert_ffn, sort_by_expert
   order, inverse, sizes = sort_by_expert(expert_ids, n_loc + 1)
-  impl = cfg.gmm_impl
-  if impl in ("auto", "sorted") and jax.default_backend() == "cpu":
-    # The sorted kernel's loops are shard_map-aware, but its custom VJP still returns varying
-    # cotangents for invarying inputs inside shard_map; until that is typed, use ragged_dot here.
-    impl = "xla"
-  ys = expert_ffn(rows[order], sizes[:n_loc], w_gate, w_up, w_down, impl=impl,
+  ys = expert_ffn(rows[order], sizes[:n_loc], w_gate, w_up, w_down, impl=cfg.gmm_impl,
                   precision=cfg.gmm_precision)
   return ys[inverse]  # rows with no local expert are past sum(sizes[:n_loc]): gmm gives zeros
 

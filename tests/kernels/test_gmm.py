@@ -175,3 +175,24 @@ def test_fp8_block_kernel_matches_dequantized_path():
   want = _fwd_bwd(lambda a, b: gmm(a, b, sizes, impl="sorted", precision="fp8_block"))(x, w, ct)
   for g_, w_ in zip(got, want, strict=True):
     np.testing.assert_allclose(np.asarray(g_), np.asarray(w_), rtol=1e-5, atol=1e-4)
+
+
+def test_sorted_chunks_cover_every_level():
+  """Groups spanning several top-size chunks plus every smaller power-of-two chunk, an empty group,
+  a one-row group, and rows past the groups: the CPU loop's chunking against float64 NumPy."""
+  from composer_jax.kernels import gmm_sorted
+  rng = np.random.default_rng(3)
+  bm = 16
+  top = gmm_sorted.MAX_CHUNK_ROWS
+  sizes = np.array([2 * top + 15 * bm + 3, 0, 1, bm, top - 1, 5 * bm], np.int32)  # 7 + 1 + ... blocks
+  m = int(sizes.sum()) + 9
+  x = rng.standard_normal((m, 24)).astype(np.float32)
+  w = rng.standard_normal((len(sizes), 24, 40)).astype(np.float32)
+  ct = rng.standard_normal((m, 40)).astype(np.float32)
+  f = lambda a, b: gmm(a, b, jnp.asarray(sizes), impl="sorted", block_rows=bm)
+  y, dx, dw = _fwd_bwd(f)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ct))
+  used = np.concatenate([np.ones(int(sizes.sum())), np.zeros(9)])[:, None]
+  np.testing.assert_allclose(np.asarray(y), _np_gmm(x, w, sizes), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(dx), _np_gmm(ct, np.swapaxes(w, 1, 2), sizes) * used,
+                             rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(dw), _np_tgmm(x, ct, sizes), rtol=1e-5, atol=2e-4)
