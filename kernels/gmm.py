@@ -3,15 +3,39 @@
 ``gmm(lhs[m,k], rhs[g,k,n], group_sizes[g]) -> [m,n]``; rows past ``sum(group_sizes)`` give zeros.
 ``tgmm(lhs[m,k], grad[m,n], group_sizes[g]) -> [g,k,n]`` is the weight-gradient product.
 
-Backends (``impl``): ``xla`` (lax.ragged_dot), ``sorted`` (block layout + batched einsum, the CPU
-path), ``pallas`` (Mosaic kernels on TPU, Triton kernels on GPU), ``interpret`` (the Pallas kernels in
-interpret mode on CPU; ``interpret_target`` picks the GPU kernels or the TPU kernels in TPU interpret
-mode), ``auto`` (pallas on GPU/TPU, sorted on CPU). All but bf16 ``xla`` run on the block layout under
-one custom VJP: dlhs = gmm(grad, rhs^T), drhs = tgmm(lhs, grad).
+Backends (``impl``): ``xla`` (lax.ragged_dot), ``sorted`` (block layout + a loop of large dense
+dots per group, the CPU path: gmm_sorted), ``pallas`` (Mosaic kernels on TPU, Triton kernels on GPU),
+``interpret`` (the Pallas kernels in interpret mode on CPU; ``interpret_target`` picks the GPU kernels
+or the TPU kernels in TPU interpret mode), ``auto`` (pallas on GPU/TPU, sorted on CPU). All but bf16
+``xla`` run on the block layout under one custom VJP: dlhs = gmm(grad, rhs^T), drhs = tgmm(lhs, grad).
+
+Several products over the same rows share one layout: ``plan_rows`` builds it once and
+``gmm_planned`` multiplies rows already in it (the MoE gathers tokens straight into it and runs gate,
+up and down there; see composer_jax.model.moe).
 
 ``precision`` (bf16 | fp8_block | mxfp8 | nvfp4) quantizes the operands of all three products in the
 recipe's formats (kernels.quant.fake_quant: exactly the values a block-scaled kernel multiplies) and
 accumulates in float32; the master weights and the cotangents handed back stay full precision.
+
+Which products run on real low-precision operands (everything else multiplies the fake-quant
+float32 values, i.e. the same numbers, on 32-bit units):
+
+==========  =====================  ==================================================================
+recipe      backend                real low-precision product
+==========  =====================  ==================================================================
+fp8_block   pallas GPU (Triton)    fwd and dgrad: E4M3 x E4M3 tensor-core dots per 128-wide k slice,
+                                   1x128 / 128x128 float32 scales on the float32 partial products
+mxfp8       pallas GPU (Triton)    fwd: E4M3 x E4M3 dots per 32-wide k slice (one Hopper wgmma
+                                   k-step), E8M0 scales decoded to float32; dgrad: E5M2 grad x E4M3
+                                   weight loaded as FP8 but multiplied as float16 (exact; Pallas'
+                                   Triton lowering takes no mixed-type dot), so 16-bit tensor cores
+nvfp4       any                    none (Hopper has no FP4 tensor cores)
+any         pallas TPU, sorted,    none: Mosaic / XLA products of the dequantized float32 operands
+            xla
+==========  =====================  ==================================================================
+
+The weight gradient (tgmm, scale blocks along the tokens) is dequantized for every recipe. ``impl=
+"interpret"`` with ``interpret_target="gpu"`` runs the same FP8 kernels on CPU.
 """
 
 from __future__ import annotations
@@ -33,6 +57,7 @@ from composer_jax.kernels.quant import (
   fake_quant,
   quantize_fp8_rowwise,
   quantize_fp8_tile,
+  quantize_mxfp8,
 )
 
 IMPLS = ("auto", "xla", "sorted", "pallas", "interpret")
@@ -103,9 +128,15 @@ def _xla_tgmm_blocks(xp, gp, layout, block_rows, num_groups, *, out_dtype=None):
                                     preferred_element_type=out_dtype or xp.dtype)
 
 
-def _fp8_kernel_product(impl, interpret_target):
-  """The true FP8 Pallas product (E4M3 operands + float32 block scales) when the fp8_block recipe
-  runs on the GPU kernels (or those kernels in interpret mode); else None (dequantized operands)."""
+# recipes with a real FP8 Pallas GPU kernel for the activation-side products (fwd, dgrad)
+FP8_KERNEL_RECIPES = ("fp8_block", "mxfp8")
+
+
+def _fp8_kernel_product(impl, interpret_target, precision):
+  """The true FP8 Pallas product (FP8 operands + float32 block scales) when an FP8 recipe runs on
+  the GPU kernels (or those kernels in interpret mode); else None (dequantized operands)."""
+  if precision not in FP8_KERNEL_RECIPES:
+    return None
   if impl == "interpret" and interpret_target == "gpu":
     return functools.partial(gmm_pallas_gpu.gmm_fp8_blocks, interpret=True)
   if impl == "pallas" and jax.default_backend() == "gpu":
@@ -113,9 +144,30 @@ def _fp8_kernel_product(impl, interpret_target):
   return None
 
 
-def _fp8_product(prod, x, w, layout, block_rows, transpose_rhs):
-  xq, xs = quantize_fp8_rowwise(x, 1)
-  wq, ws = quantize_fp8_tile(w)
+def _e8m0_to_f32(scale):
+  """E8M0 -> float32 2^e from the bit pattern (Triton has no E8M0 type). Code 0 (2^-127) has no
+  float32 exponent field of its own: it is the subnormal 0x00400000. 0xFF is NaN."""
+  bits = jax.lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.int32)
+  val = jax.lax.bitcast_convert_type(jnp.where(bits == 0, 1 << 22, bits << 23), jnp.float32)
+  return jnp.where(bits == 255, jnp.nan, val)
+
+
+def _kernel_quant(a, axis, fmt):
+  """(FP8 elements, float32 scales on a's axes) in ``fmt``: the same values fake_quant(a, axis,
+  fmt) dequantizes to."""
+  if fmt == "fp8_row":
+    return quantize_fp8_rowwise(a, axis)
+  if fmt == "fp8_tile":  # 128x128 tiles serve either contraction axis
+    return quantize_fp8_tile(a)
+  q, s = quantize_mxfp8(a, axis, elem=fmt[-4:])
+  return q, _e8m0_to_f32(s)
+
+
+def _fp8_product(prod, x, w, fmt_x, fmt_w, layout, block_rows, transpose_rhs):
+  """x [P, kc] @ w (contracting w's axis 1, or axis 2 with ``transpose_rhs``), both quantized along
+  the contraction axis, on the FP8 kernel."""
+  xq, xs = _kernel_quant(x, 1, fmt_x)
+  wq, ws = _kernel_quant(w, 2 if transpose_rhs else 1, fmt_w)
   return prod(xq, xs, wq, ws, layout, block_rows, transpose_rhs=transpose_rhs)
 
 
@@ -132,9 +184,10 @@ def _gmm_padded(xp, rhs, layout, impl, precision, block_rows, interpret_target):
 def _gmm_padded_fwd(xp, rhs, layout, impl, precision, block_rows, interpret_target):
   fwd, _ = _backend(impl, interpret_target)
   fmts = RECIPES[precision][0] if precision != "bf16" else (None,) * 6
-  fp8 = _fp8_kernel_product(impl, interpret_target) if precision == "fp8_block" else None
+  fp8 = _fp8_kernel_product(impl, interpret_target, precision)
   if fp8 is not None:
-    return _fp8_product(fp8, xp, rhs, layout, block_rows, False), (xp, rhs, layout)
+    out = _fp8_product(fp8, xp, rhs, fmts[0], fmts[1], layout, block_rows, False)
+    return out, (xp, rhs, layout)
   out = fwd(_q(xp, 1, fmts[0]), _q(rhs, 1, fmts[1]), layout, block_rows, out_dtype=jnp.float32)
   return out, (xp, rhs, layout)
 
@@ -144,13 +197,14 @@ def _gmm_padded_bwd(impl, precision, block_rows, interpret_target, res, ct):
   fwd, tg = _backend(impl, interpret_target)
   fmts = RECIPES[precision][0] if precision != "bf16" else (None,) * 6
   ct = ct.astype(jnp.float32) if precision != "bf16" else ct.astype(xp.dtype)
-  # (fp8_tile's 128x128 tiles serve both contraction axes of rhs)
-  fp8 = _fp8_kernel_product(impl, interpret_target) if precision == "fp8_block" else None
-  if fp8 is not None:
-    dx = _fp8_product(fp8, ct, rhs, layout, block_rows, True)
+  fp8 = _fp8_kernel_product(impl, interpret_target, precision)
+  if fp8 is not None:  # dgrad: grad and rhs quantized along n
+    dx = _fp8_product(fp8, ct, rhs, fmts[2], fmts[3], layout, block_rows, True)
   else:
     dx = fwd(_q(ct, 1, fmts[2]), _q(rhs, 2, fmts[3]), layout, block_rows, transpose_rhs=True,
              out_dtype=jnp.float32)
+  # wgrad (quantized along tokens, per group) stays on dequantized operands for every recipe: its
+  # scale blocks run along the contraction m (an FP8 tgmm kernel is not written yet)
   drhs = tg(_q(xp, 0, fmts[4]), _q(ct, 0, fmts[5]), layout, block_rows, rhs.shape[0],
             out_dtype=jnp.float32)
   return dx.astype(xp.dtype), drhs.astype(rhs.dtype), None

@@ -155,7 +155,7 @@ def tgmm_blocks(xp, gp, layout, block_rows: int, num_groups: int, *, out_dtype=N
   )(gbs, xp, gp)
 
 
-def _gmm_fp8_kernel(gid_ref, gbs_ref, x_ref, xs_ref, w_ref, ws_ref, o_ref, *, nk, bk, bn,
+def _gmm_fp8_kernel(gid_ref, gbs_ref, x_ref, xs_ref, w_ref, ws_ref, o_ref, *, nk, sb, bn, cb,
                     transpose_rhs):
   b, j = pl.program_id(0), pl.program_id(1)
   used = gbs_ref[gbs_ref.shape[0] - 1]
@@ -165,17 +165,23 @@ def _gmm_fp8_kernel(gid_ref, gbs_ref, x_ref, xs_ref, w_ref, ws_ref, o_ref, *, nk
     grp = gid_ref[b]
 
     def body(kk, acc):
-      x = x_ref[:, pl.ds(kk * bk, bk)]  # E4M3 [bm, 128]
-      sx = xs_ref[:, pl.ds(kk, 1)]  # [bm, 1] float32: one scale per row per 128 of k
+      x = x_ref[:, pl.ds(kk * sb, sb)]  # FP8 [bm, sb]: one scale block along k
+      sx = xs_ref[:, pl.ds(kk, 1)]  # [bm, 1] float32: the rows' scales for this k block
+      # [1, bn/cb]: one scale per cb output columns (a 128x128 tile's scalar, or MX's per column)
+      sw = ws_ref[grp, pl.ds(kk, 1), pl.ds(j * (bn // cb), bn // cb)]
       if transpose_rhs:
-        w = w_ref[grp, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)]
-        sw = ws_ref[grp, pl.ds(j, 1), pl.ds(kk, 1)]
-        d = lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        w = w_ref[grp, pl.ds(j * bn, bn), pl.ds(kk * sb, sb)]
+        dims = (((1,), (1,)), ((), ()))
       else:
-        w = w_ref[grp, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)]
-        sw = ws_ref[grp, pl.ds(kk, 1), pl.ds(j, 1)]  # [1, 1]: the 128x128 weight tile's scale
-        d = jnp.dot(x, w, preferred_element_type=jnp.float32)
-      # FP8 tensor-core product per 128-wide k slice, promoted to float32 with both scales
+        w = w_ref[grp, pl.ds(kk * sb, sb), pl.ds(j * bn, bn)]
+        dims = (((1,), (0,)), ((), ()))
+      if x.dtype != w.dtype:
+        # Pallas' Triton lowering needs one operand type (no E5M2 x E4M3 dot): float16 holds every
+        # E4M3 and E5M2 value exactly, so the products are unchanged (16-bit tensor cores, not FP8)
+        x, w = x.astype(jnp.float16), w.astype(jnp.float16)
+      d = lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+      # the tensor-core product of one scale block, promoted to float32 with both scales (powers of
+      # two for MXFP8, so this is exact and only the accumulation order differs from dequantizing)
       return acc + d * sx * sw
 
     acc = lax.fori_loop(0, nk, body, jnp.zeros(o_ref.shape, jnp.float32))
@@ -188,13 +194,33 @@ def _gmm_fp8_kernel(gid_ref, gbs_ref, x_ref, xs_ref, w_ref, ws_ref, o_ref, *, nk
 
 def gmm_fp8_blocks(xq, xs, wq, ws, layout, block_rows: int, *, transpose_rhs: bool = False,
                    out_dtype=jnp.float32, interpret: bool = False):
-  """Hopper FP8 recipe: xq E4M3 [nb*bm, k] with xs float32 [nb*bm, k/128] (1x128 scales), wq E4M3
-  [g, k, n] (or [g, n, k] with ``transpose_rhs``) with ws float32 128x128-tile scales."""
+  """Block-scaled FP8 product: xq [nb*bm, k] (E4M3 or E5M2) with float32 row scales xs
+  [nb*bm, k/sb], wq [g, k, n] (or [g, n, k] with ``transpose_rhs``) with float32 scales ws on wq's
+  axes, the contraction axis divided by sb and the output axis by cb.
+
+  * Hopper fp8_block: sb = 128, cb = 128 (1x128 activation scales, 128x128 weight tiles).
+  * MXFP8: sb = 32, cb = 1 (E8M0 scales per 32 along k for every output column, decoded to float32).
+
+  The k loop steps one scale block at a time: a k=32 FP8 dot is one Hopper wgmma k-step.
+  """
   mp, k = xq.shape
   n = wq.shape[1] if transpose_rhs else wq.shape[2]
-  bk = bn = 128
-  _check_pow2("gmm fp8 (Pallas GPU)", interpret, block_rows=block_rows)
-  kernel = functools.partial(_gmm_fp8_kernel, nk=k // bk, bk=bk, bn=bn, transpose_rhs=transpose_rhs)
+  if xs.shape[1] == 0 or k % xs.shape[1]:
+    raise ValueError(f"gmm fp8 (Pallas GPU): row scales {xs.shape} do not block k={k}")
+  sb = k // xs.shape[1]
+  if transpose_rhs:  # the kernel reads rhs scales as [g, k blocks, n blocks]
+    ws = jnp.swapaxes(ws, 1, 2)
+  if ws.shape[1] != k // sb or n % ws.shape[2]:
+    raise ValueError(f"gmm fp8 (Pallas GPU): rhs scales {ws.shape} do not match k={k} / "
+                     f"{sb} and n={n}")
+  cb = n // ws.shape[2]
+  bn = max(pick_tile(n, 128), cb)
+  if n % bn or bn % cb or sb < 16:
+    raise ValueError(f"gmm fp8 (Pallas GPU): n={n} needs tiles of whole {cb}-column scale blocks "
+                     f"and the k scale block ({sb}) must be >= 16 (a Triton dot's minimum k)")
+  _check_pow2("gmm fp8 (Pallas GPU)", interpret, block_rows=block_rows, sb=sb, bn=bn)
+  kernel = functools.partial(_gmm_fp8_kernel, nk=k // sb, sb=sb, bn=bn, cb=cb,
+                             transpose_rhs=transpose_rhs)
   return pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((mp, n), out_dtype),
@@ -203,12 +229,12 @@ def gmm_fp8_blocks(xq, xs, wq, ws, layout, block_rows: int, *, transpose_rhs: bo
           _full(layout.block_group.shape),
           _full(layout.group_block_start.shape),
           pl.BlockSpec((block_rows, k), lambda b, j: (b, 0)),
-          pl.BlockSpec((block_rows, k // bk), lambda b, j: (b, 0)),
+          pl.BlockSpec((block_rows, k // sb), lambda b, j: (b, 0)),
           _full(wq.shape),
           _full(ws.shape),
       ],
       out_specs=pl.BlockSpec((block_rows, bn), lambda b, j: (b, j)),
-      compiler_params=triton_params((block_rows + bn) * bk),  # 1-byte E4M3 tiles
+      compiler_params=triton_params((block_rows + bn) * sb),  # 1-byte FP8 tiles
       interpret=interpret,
       name="gmm_fp8_gpu",
   )(layout.block_group, layout.group_block_start, xq, xs, wq, ws)

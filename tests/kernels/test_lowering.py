@@ -214,6 +214,7 @@ def test_gpu_tiles_must_be_powers_of_two():
 # the differentiable gmm: forward and both backward products through the custom VJP
 GMM_CASES = [("cuda", "bf16", ["gmm_gpu", "gmm_gpu", "tgmm_gpu"]),
              ("cuda", "fp8_block", ["gmm_fp8_gpu", "gmm_fp8_gpu", "tgmm_gpu"]),
+             ("cuda", "mxfp8", ["gmm_fp8_gpu", "gmm_fp8_gpu", "tgmm_gpu"]),
              ("tpu", "bf16", ["gmm_tpu", "gmm_tpu", "tgmm_tpu"]),
              ("tpu", "mxfp8", ["gmm_tpu", "gmm_tpu", "tgmm_tpu"])]
 
@@ -239,5 +240,32 @@ def test_gmm_value_and_grad_lowers(monkeypatch, shape, platform, precision, want
   dots = sorted(_dot_types(body)[0] for _, _, body in ks)
   if precision == "fp8_block":  # both activation-side products on the FP8 kernel
     assert dots.count(("f8E4M3FN", "f8E4M3FN")) == 2
+  elif precision == "mxfp8":
+    # fwd: E4M3 x E4M3 tensor-core dots per 32-wide k slice; dgrad: E5M2 grad x E4M3 weight, which
+    # Pallas' Triton lowering cannot take as one dot, widened in-kernel to float16 (exact);
+    # wgrad: dequantized float32 operands
+    assert dots == sorted([("f8E4M3FN", "f8E4M3FN"), ("f16", "f16"), ("f32", "f32")])
+    fwd = next(b for _, _, b in ks if _dot_types(b) == [("f8E4M3FN", "f8E4M3FN")])
+    assert "tensor<128x32xf8E4M3FN> * tensor<32x128xf8E4M3FN>" in fwd
+    dgrad = next(b for _, _, b in ks if _dot_types(b) == [("f16", "f16")])
+    assert "xf8E5M2>" in dgrad and "xf8E4M3FN>" in dgrad  # loaded as FP8 from memory
   else:
     assert dots == [("bf16", "bf16")] * 3
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_mxfp8_kernel_lowers_to_fp8_dot(shape, transpose_rhs):
+  """MXFP8 scales (float32 from E8M0): per 32 of k for the rows, per (32 of k, column) for rhs; the
+  kernel steps k one 32-wide scale block at a time with an E4M3 x E4M3 dot (the dgrad layout,
+  transpose_rhs, given E4M3 operands here too)."""
+  m, k, n, g, bm = SHAPES[shape]
+  p, lay = _layout_args(m, g, bm)
+  kx = n if transpose_rhs else k
+  ws = S((g, k, n // 32) if transpose_rhs else (g, k // 32, n), jnp.float32)
+  args = (S((p, kx), F8), S((p, kx // 32), jnp.float32), S((g, k, n), F8), ws)
+  fn = lambda x, xs, w, ws, *l: gmm_pallas_gpu.gmm_fp8_blocks(x, xs, w, ws, BlockLayout(*l), bm,
+                                                              transpose_rhs=transpose_rhs)
+  [(_, _, body)] = check_triton(_export(fn, args + lay, "cuda"), ["gmm_fp8_gpu"])
+  assert _dot_types(body) == [("f8E4M3FN", "f8E4M3FN")]
+  assert re.search(r"tt\.dot .*: tensor<\d+x32xf8E4M3FN> \* tensor<32x\d+xf8E4M3FN>", body)
