@@ -54,7 +54,6 @@ def time_fn(fn, *args, warmup: int = 2, iters: int = 5) -> float:
 def matmul_peak_flops(n: int = 2048, dtype: str = "float32", iters: int = 5) -> float:
   """The machine's measured dense matmul FLOP/s (jitted n×n×n product), the denominator of MFU."""
   import jax
-  import jax.numpy as jnp
   a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
   b = jax.random.normal(jax.random.PRNGKey(1), (n, n), dtype)
   f = jax.jit(lambda x, y: x @ y)
@@ -66,7 +65,7 @@ def write_result(name: str, data: dict) -> str:
   os.makedirs(RESULTS_DIR, exist_ok=True)
   out = {
       "name": name,
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
       "machine": machine_info(),
       **data,
   }

@@ -14,11 +14,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.common import write_result  # noqa: E402
-from composer_jax.env.generate import DEFAULT_CACHE, fetch_sdist, generate  # noqa: E402
-from composer_jax.env.sandbox import Limits  # noqa: E402
-from composer_jax.env.tasks import load_tasks  # noqa: E402
-from composer_jax.eval.harness import make_policy_factory, run_eval  # noqa: E402
+from composer_jax.env.generate import DEFAULT_CACHE, fetch_sdist, generate
+from composer_jax.env.sandbox import Limits
+from composer_jax.env.tasks import load_tasks
+from composer_jax.eval.harness import make_policy_factory, run_eval
+from experiments.common import write_result
 
 PACKAGES = ["isodate", "xmltodict", "h11", "parse", "funcy"]
 

@@ -14,11 +14,11 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.common import write_result  # noqa: E402
-from composer_jax.env.demo import demo_task_set  # noqa: E402
-from composer_jax.env.episode import start_workspace  # noqa: E402
-from composer_jax.env.grading import grade  # noqa: E402
-from composer_jax.env.tasks import load_tasks, read_text, write_text  # noqa: E402
+from composer_jax.env.demo import demo_task_set
+from composer_jax.env.episode import start_workspace
+from composer_jax.env.grading import grade
+from composer_jax.env.tasks import load_tasks, read_text, write_text
+from experiments.common import write_result
 
 
 def main() -> None:

@@ -15,11 +15,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.common import write_result  # noqa: E402
-from composer_jax.env.demo import write_demo_repo  # noqa: E402
-from composer_jax.env.protocol import ToolCall  # noqa: E402
-from composer_jax.env.sandbox import Limits, Sandbox, bwrap_available  # noqa: E402
-from composer_jax.env.tools import ToolBox  # noqa: E402
+from composer_jax.env.demo import write_demo_repo
+from composer_jax.env.protocol import ToolCall
+from composer_jax.env.sandbox import Limits, Sandbox, bwrap_available
+from composer_jax.env.tools import ToolBox
+from experiments.common import write_result
 
 TERMINAL = [ToolCall("terminal", {"command": "ls calc && echo ok"})]
 MIX = [ToolCall("view", {"path": "calc/core.py", "start": 1, "end": 20}),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from composer_jax.config import load_config
