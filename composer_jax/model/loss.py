@@ -8,33 +8,28 @@ import jax.numpy as jnp
 from composer_jax.config import ModelConfig
 
 
-def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """log p(target) per position, computed in float32."""
-  logits = logits.astype(jnp.float32)
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  return picked - lse
-
-
 def shifted_ce(logits, tokens, loss_mask, segment_ids, shift: int, z_loss: float = 0.0):
   """Mean CE of logits[:, t] predicting tokens[:, t+shift] over valid targets.
 
   A target is valid when ``loss_mask`` marks it and it lies in the same packed segment as the
-  position that predicts it. Returns (loss, n_valid, z_term).
+  position that predicts it. The targets are shifted (and the last ``shift`` positions marked
+  invalid), never the logits: slicing [b, s, vocab] copies the largest tensor of the step forward
+  and pads its gradient backward. Returns (loss, n_valid, z_term).
   """
   b, s = tokens.shape
   n = s - shift
-  lg = logits[:, :n]
-  tgt = tokens[:, shift:]
+  tgt = jnp.pad(tokens[:, shift:], ((0, 0), (0, shift)))
   valid = loss_mask[:, shift:].astype(jnp.float32) if loss_mask is not None else jnp.ones((b, n))
   if segment_ids is not None:
     valid = valid * ((segment_ids[:, shift:] == segment_ids[:, :n]) & (segment_ids[:, shift:] != 0))
-  lp = token_logprobs(lg, tgt)
+  valid = jnp.pad(valid, ((0, 0), (0, shift)))
+  lg = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(lg, axis=-1)
+  lp = jnp.take_along_axis(lg, tgt[..., None], axis=-1)[..., 0] - lse
   denom = jnp.maximum(valid.sum(), 1.0)
   loss = -(lp * valid).sum() / denom
   z = jnp.zeros((), jnp.float32)
   if z_loss:
-    lse = jax.nn.logsumexp(lg.astype(jnp.float32), axis=-1)
     z = z_loss * ((lse ** 2) * valid).sum() / denom
   return loss, valid.sum(), z
 

@@ -95,14 +95,18 @@ class MLA(nnx.Module):
       from composer_jax.parallel.context import context_attention
       o = context_attention(q_nope, q_pe, k_nope, k_pe, v, seg, self.scale)
       return self._out(o), None
-    scores = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
-              + jnp.einsum("bqhd,bkd->bhqk", q_pe, k_pe, preferred_element_type=jnp.float32))
+    # One [b,h,q,k] product over the concatenated nope | rope dims (the shared rope key broadcast
+    # to every head), with the softmax scale folded into q: a separate head-less rope einsum made
+    # XLA:CPU transpose the whole score tensor forward and backward, the dominant attention cost.
+    q = jnp.concatenate([q_nope, q_pe], axis=-1) * jnp.asarray(self.scale, q_nope.dtype)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], k_nope.shape[:3] + k_pe.shape[-1:])],
+                        axis=-1)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
     idx = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
     mask = attention_mask(idx, idx, seg, seg)
     if self.record_max_logit:  # per-head max attention logit for QK-clip (MuonClip)
-      self.sow(nnx.Intermediate, "max_logit",
-               jnp.max(jnp.where(mask, scores * self.scale, NEG_INF), axis=(0, 2, 3)))
-    probs = masked_softmax(scores * self.scale, mask).astype(v.dtype)
+      self.sow(nnx.Intermediate, "max_logit", jnp.max(jnp.where(mask, scores, NEG_INF), axis=(0, 2, 3)))
+    probs = masked_softmax(scores, mask).astype(v.dtype)
     o = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
     return self._out(o), None
 
