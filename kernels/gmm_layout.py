@@ -78,49 +78,35 @@ def _gather_rows(x, idx):
   return x.at[idx].get(mode="fill", fill_value=0)
 
 
-def to_blocks(x, src, dest):
-  """[m, d] -> [num_blocks * block_rows, d], padding rows zero. A gather both ways (no scatter)."""
-  return _to_blocks(varying_like(x, x, src, dest), src, dest)
-
-
-# Each gather below is a custom VJP whose backward is a gather too. Inside shard_map its data
-# operand is first lifted to the index arrays' varying axes (above): the backward's cotangent varies
-# like the indices, and the lift's own transpose (a psum) makes the gradient match the input again.
+# The gathers below are custom VJPs whose backward is a gather too (each row lands in exactly one
+# place, so no scatter-add). Inside shard_map the data operand is first lifted to the index arrays'
+# varying axes: the backward's cotangent varies like the indices, and the lift's own transpose (a
+# psum) makes the gradient match the input again.
 @jax.custom_vjp
-def _to_blocks(x, src, dest):
-  return _gather_rows(x, src)
+def _permute_rows(x, take, give_back):
+  """x[take] (zeros where take is out of range); the backward gathers the cotangent at give_back."""
+  return _gather_rows(x, take)
 
 
-def _to_fwd(x, src, dest):
-  return _gather_rows(x, src), (src, dest)
+def _permute_fwd(x, take, give_back):
+  return _gather_rows(x, take), give_back
 
 
-def _to_bwd(res, ct):
-  return _gather_rows(ct, res[1]), None, None
+def _permute_bwd(give_back, ct):
+  return _gather_rows(ct, give_back), None, None
 
 
-_to_blocks.defvjp(_to_fwd, _to_bwd)
+_permute_rows.defvjp(_permute_fwd, _permute_bwd)
+
+
+def to_blocks(x, src, dest):
+  """[m, d] -> [num_blocks * block_rows, d], padding rows zero."""
+  return _permute_rows(varying_like(x, x, src, dest), src, dest)
 
 
 def from_blocks(xp, src, dest):
   """[num_blocks * block_rows, d] -> [m, d]; rows past the groups come back as zeros."""
-  return _from_blocks(varying_like(xp, xp, src, dest), src, dest)
-
-
-@jax.custom_vjp
-def _from_blocks(xp, src, dest):
-  return _gather_rows(xp, dest)
-
-
-def _from_fwd(xp, src, dest):
-  return _gather_rows(xp, dest), (src, dest)
-
-
-def _from_bwd(res, ct):
-  return _gather_rows(ct, res[0]), None, None
-
-
-_from_blocks.defvjp(_from_fwd, _from_bwd)
+  return _permute_rows(varying_like(xp, xp, src, dest), dest, src)
 
 
 # --------------------------------------------------------------------------------------------------
