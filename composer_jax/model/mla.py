@@ -30,10 +30,29 @@ def attention_mask(q_pos_idx, k_pos_idx, q_seg=None, k_seg=None, k_valid=None):
   return mask[:, None]
 
 
+@jax.custom_vjp
 def masked_softmax(scores, mask):
-  scores = jnp.where(mask, scores, NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1)
-  return jnp.where(mask, probs, 0.0)  # rows with no valid key (padding) give zeros, not NaN
+  """Softmax over the keys ``mask`` allows; rows with no valid key (padding) give zeros, not NaN.
+
+  A custom VJP because the [b, h, q, k] tensor is the largest of the attention: the forward is one
+  max and one exp/sum pass, the backward ``p * (g - sum(g * p))`` (masked entries have p = 0), with
+  no select / softmax / select chain to transpose.
+  """
+  return _masked_softmax_fwd(scores, mask)[0]
+
+
+def _masked_softmax_fwd(scores, mask):
+  top = jnp.max(jnp.where(mask, scores, NEG_INF), axis=-1, keepdims=True)
+  e = jnp.where(mask, jnp.exp(scores - top), 0.0)
+  probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), jnp.finfo(e.dtype).tiny)
+  return probs, probs
+
+
+def _masked_softmax_bwd(probs, g):
+  return probs * (g - jnp.sum(g * probs, axis=-1, keepdims=True)), None
+
+
+masked_softmax.defvjp(_masked_softmax_fwd, _masked_softmax_bwd)
 
 
 class MLA(nnx.Module):
