@@ -1,27 +1,30 @@
-"""The chat / tool-call text format shared by SFT, the RL agent and evaluation.
+"""The chat framing shared by SFT, the RL agent and evaluation; tool calls are protocol.py's XML.
 
 One message list renders to token ids plus a loss mask that is 1 exactly on the tokens the assistant
 produced (its text, its tool calls and its closing ``<|im_end|>``, so the model learns to stop) and
-0 on everything it was given (system, user, tool results and the role headers). The layout follows
-Kimi K2's chat template with its special tokens:
+0 on everything it was given (system, user, tool results and the role headers). Role headers follow
+Kimi K2's chat template; tool calls are the XML calls of ``composer_jax.env.protocol`` written inside
+the assistant's content (the ONE tool-call format), and tool results are the observation text:
 
   <|im_user|>user<|im_middle|>fix the bug<|im_end|>
-  <|im_assistant|>assistant<|im_middle|>Let me look.<|tool_calls_section_begin|>
-    <|tool_call_begin|>functions.view:0<|tool_call_argument_begin|>{"path": "a.py"}<|tool_call_end|>
-  <|tool_calls_section_end|><|im_end|>
-  <|im_system|>tool<|im_middle|>## Return of functions.view:0
-  1  import os<|im_end|>
+  <|im_assistant|>assistant<|im_middle|>Let me look.
+  <tool_call name="view">
+  <path>a.py</path>
+  </tool_call><|im_end|>
+  <|im_system|>tool<|im_middle|><observation tool="view" status="ok">
+  1  x = 1/0
+  </observation><|im_end|>
 
-A message is ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``; an assistant message
-may carry ``"tool_calls": [{"id": str, "name": str, "arguments": dict | str}]`` and a tool message
-carries ``"tool_call_id"``. ``parse_tool_calls`` inverts the assistant rendering so the RL agent can
-read the calls back out of sampled text.
+A message is ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``. Episodes
+(``env/episode.py``) write the calls straight into the assistant content; for convenience an
+assistant message may instead carry ``"tool_calls": [{"name": str, "arguments": dict}]``, which is
+rendered with ``protocol.format_call`` after the content (a thin adapter, same text). ``parse_tool_calls``
+reads the calls back with ``protocol.parse``.
 """
 
 from __future__ import annotations
 
-import json
-import re
+from composer_jax.env import protocol
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -30,13 +33,15 @@ IM_USER = "<|im_user|>"
 IM_ASSISTANT = "<|im_assistant|>"
 IM_MIDDLE = "<|im_middle|>"
 IM_END = "<|im_end|>"
+# No longer used by the format (calls are protocol.py's XML); kept so the special-token ids of
+# trained tokenizers and checkpoints do not shift.
 CALLS_BEGIN = "<|tool_calls_section_begin|>"
 CALLS_END = "<|tool_calls_section_end|>"
 CALL_BEGIN = "<|tool_call_begin|>"
 CALL_ARGS = "<|tool_call_argument_begin|>"
 CALL_END = "<|tool_call_end|>"
 
-# Order matters: trained tokenizers give these the first ids (0..n-1).
+# Order matters: trained tokenizers give these the first ids (0..n-1). Never reorder or remove.
 SPECIAL_TOKENS = [EOS, PAD, IM_SYSTEM, IM_USER, IM_ASSISTANT, IM_MIDDLE, IM_END, CALLS_BEGIN,
                   CALLS_END, CALL_BEGIN, CALL_ARGS, CALL_END]
 
@@ -48,22 +53,22 @@ class ChatFormatError(ValueError):
   """A malformed message list; the message says which message and what is wrong."""
 
 
-def _call_id(call: dict, index: int) -> str:
-  return call.get("id") or f"functions.{call['name']}:{index}"
-
-
 def render_tool_calls(calls: list[dict]) -> str:
-  parts = [CALLS_BEGIN]
-  for i, call in enumerate(calls):
-    args = call.get("arguments", {})
-    args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    parts += [CALL_BEGIN, _call_id(call, i), CALL_ARGS, args, CALL_END]
-  parts.append(CALLS_END)
-  return "".join(parts)
+  """``[{"name", "arguments": dict}]`` as protocol XML calls, one after another."""
+  return "\n".join(protocol.format_call(c["name"], dict(c.get("arguments") or {})) for c in calls)
+
+
+def assistant_text(msg: dict) -> str:
+  """The assistant's whole text: content, then any ``tool_calls`` in the XML format."""
+  content = msg.get("content") or ""
+  if not msg.get("tool_calls"):
+    return content
+  sep = "\n" if content and not content.endswith("\n") else ""
+  return content + sep + render_tool_calls(msg["tool_calls"])
 
 
 def render_segments(messages: list[dict]) -> list[tuple[str, bool]]:
-  """Split a conversation into ``(text, trained)`` pieces in order."""
+  """Split a conversation into ``(text, trained)`` pieces in order (header, body per message)."""
   segs: list[tuple[str, bool]] = []
   for i, msg in enumerate(messages):
     role = msg.get("role")
@@ -72,16 +77,32 @@ def render_segments(messages: list[dict]) -> list[tuple[str, bool]]:
     content = msg.get("content") or ""
     if not isinstance(content, str):
       raise ChatFormatError(f"message {i}: content must be a string")
-    name = "tool" if role == "tool" else role
-    segs.append((f"{_HEADER[role]}{name}{IM_MIDDLE}", False))
-    if role == "assistant":
-      body = content + (render_tool_calls(msg["tool_calls"]) if msg.get("tool_calls") else "")
-      segs.append((body + IM_END, True))
-    elif role == "tool":
-      segs.append((f"## Return of {msg.get('tool_call_id', '')}\n{content}{IM_END}", False))
-    else:
-      segs.append((content + IM_END, False))
+    calls = msg.get("tool_calls")
+    if calls:
+      if role != "assistant":
+        raise ChatFormatError(f"message {i}: only assistant messages may carry tool_calls")
+      if not isinstance(calls, list) or not all(isinstance(c, dict) and "name" in c for c in calls):
+        raise ChatFormatError(f"message {i}: tool_calls must be a list of {{'name', 'arguments'}}")
+    segs.append((f"{_HEADER[role]}{role}{IM_MIDDLE}", False))
+    body = assistant_text(msg) if role == "assistant" else content
+    segs.append((body + IM_END, role == "assistant"))
   return segs
+
+
+def encode_segments(messages: list[dict], tokenizer) -> tuple[list[int], list[int]]:
+  """Token ids and loss mask (1 on assistant-produced tokens) of a conversation.
+
+  Each segment is encoded on its own and the pieces concatenated, so a conversation's ids are the
+  concatenation of its messages' ids: the RL agent, which encodes one observation message at a
+  time, sees exactly the tokens SFT trained on.
+  """
+  ids: list[int] = []
+  mask: list[int] = []
+  for text, trained in render_segments(messages):
+    piece = tokenizer.encode(text)
+    ids += piece
+    mask += [int(trained)] * len(piece)
+  return ids, mask
 
 
 def generation_prompt() -> str:
@@ -89,22 +110,20 @@ def generation_prompt() -> str:
   return f"{IM_ASSISTANT}assistant{IM_MIDDLE}"
 
 
-_CALL_RE = re.compile(re.escape(CALL_BEGIN) + r"(.*?)" + re.escape(CALL_ARGS) + r"(.*?)"
-                      + re.escape(CALL_END), re.DOTALL)
+def parse_tool_calls(text: str, specs: dict | None = None) -> tuple[str, list[dict]]:
+  """Split sampled assistant text into (content, tool calls ``{"name", "arguments"}``).
 
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-  """Split sampled assistant text into (content, tool calls); arguments parsed as JSON when valid."""
+  Parsing is ``protocol.parse`` against ``specs`` (default: the product's tools), so integer
+  arguments come back as ints; malformed calls are left out (the episode reports them). The content
+  is the text outside the calls, stripped.
+  """
+  if specs is None:
+    from composer_jax.env.tools import SPECS as specs
   text = text.split(IM_END)[0]
-  if CALLS_BEGIN not in text:
-    return text, []
-  content, rest = text.split(CALLS_BEGIN, 1)
-  calls = []
-  for call_id, raw in _CALL_RE.findall(rest):
-    name = call_id.split(".", 1)[-1].rsplit(":", 1)[0]
-    try:
-      args = json.loads(raw)
-    except json.JSONDecodeError:
-      args = raw
-    calls.append({"id": call_id, "name": name, "arguments": args})
-  return content, calls
+  result = protocol.parse(text, specs)
+  content = text
+  for item in result.items:
+    if item.raw:
+      content = content.replace(item.raw, "", 1)
+  calls = [{"name": c.name, "arguments": dict(c.args)} for c in result.calls]
+  return content.strip(), calls

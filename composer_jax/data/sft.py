@@ -41,10 +41,6 @@ def read_trajectories(path: str) -> list[list[dict]]:
 
 
 def encode_chat(messages: list[dict], tokenizer) -> dict:
-  """Token ids and a mask that is 1 on the tokens the assistant produced."""
-  ids, mask = [], []
-  for text, trained in chat.render_segments(messages):
-    piece = tokenizer.encode(text)
-    ids += piece
-    mask += [int(trained)] * len(piece)
+  """Token ids and a mask that is 1 on the tokens the assistant produced (``chat.encode_segments``)."""
+  ids, mask = chat.encode_segments(messages, tokenizer)
   return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.int32)}

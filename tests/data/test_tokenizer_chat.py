@@ -75,10 +75,22 @@ TRAJ = [
     {"role": "system", "content": "You are a coding agent."},
     {"role": "user", "content": "Fix the bug in a.py"},
     {"role": "assistant", "content": "Let me look.",
-     "tool_calls": [{"id": "functions.view:0", "name": "view", "arguments": {"path": "a.py"}}]},
-    {"role": "tool", "tool_call_id": "functions.view:0", "content": "1  x = 1/0"},
+     "tool_calls": [{"name": "view", "arguments": {"path": "a.py", "start": 1}}]},
+    {"role": "tool", "content": '<observation tool="view" status="ok">\n1  x = 1/0\n</observation>'},
     {"role": "assistant", "content": "Fixed."},
 ]
+
+CALL_TEXT = '<tool_call name="view">\n<path>a.py</path>\n<start>1</start>\n</tool_call>'
+
+
+def test_tool_calls_render_as_protocol_xml():
+  # Written out by hand: the adapter must produce protocol.py's XML, nothing of the old JSON format.
+  assert chat.render_tool_calls(TRAJ[2]["tool_calls"]) == CALL_TEXT
+  assert chat.assistant_text(TRAJ[2]) == "Let me look.\n" + CALL_TEXT
+  body = "".join(t for t, _ in chat.render_segments(TRAJ))
+  assert chat.CALLS_BEGIN not in body and chat.CALL_BEGIN not in body
+  assert ("<|im_system|>tool<|im_middle|><observation tool=\"view\" status=\"ok\">\n1  x = 1/0\n"
+          "</observation><|im_end|>") in body
 
 
 def test_sft_mask_covers_exactly_the_assistant_tokens(tok):
@@ -86,17 +98,51 @@ def test_sft_mask_covers_exactly_the_assistant_tokens(tok):
   ids, mask = ex["tokens"], ex["loss_mask"]
   assert ids.shape == mask.shape and set(np.unique(mask)) == {0, 1}
   trained = tok.decode(ids[mask == 1])
-  want = ("Let me look." + chat.render_tool_calls(TRAJ[2]["tool_calls"]) + chat.IM_END
-          + "Fixed." + chat.IM_END)
+  want = "Let me look.\n" + CALL_TEXT + chat.IM_END + "Fixed." + chat.IM_END
   assert trained == want
   assert tok.decode(ids) == "".join(t for t, _ in chat.render_segments(TRAJ))
+  # Segment-wise encoding: a conversation's ids are its messages' ids concatenated (the RL agent
+  # encodes one observation message at a time and must see the same tokens).
+  ids2, mask2 = [], []
+  for m in TRAJ:
+    i, k = chat.encode_segments([m], tok)
+    ids2 += i
+    mask2 += k
+  assert ids2 == ids.tolist() and mask2 == mask.tolist()
 
 
 def test_tool_calls_parse_back():
-  text = "Let me look." + chat.render_tool_calls(TRAJ[2]["tool_calls"]) + chat.IM_END
+  text = chat.assistant_text(TRAJ[2]) + chat.IM_END + "junk after the end"
   content, calls = chat.parse_tool_calls(text)
   assert content == "Let me look."
-  assert calls == [{"id": "functions.view:0", "name": "view", "arguments": {"path": "a.py"}}]
+  assert calls == [{"name": "view", "arguments": {"path": "a.py", "start": 1}}]
+  # A malformed call is left out of the calls (the episode reports it as an error observation).
+  content, calls = chat.parse_tool_calls('hi <tool_call name="view"><path>a.py</tool_call>')
+  assert calls == [] and content == "hi"
+
+
+def test_sft_example_parses_into_the_calls_it_encodes(tok, tmp_path):
+  # End to end: a JSONL record read by read_trajectories, encoded by encode_chat; the assistant
+  # tokens of each turn decode to text that protocol.parse turns back into exactly those calls.
+  from composer_jax.env import protocol
+  from composer_jax.env.tools import SPECS
+  calls = [{"name": "str_replace",
+            "arguments": {"path": "pkg/m.py", "old": "    return a + b\n", "new": "    return a - b"}},
+           {"name": "terminal", "arguments": {"command": "python -c 'print(1)'", "timeout": 5}},
+           {"name": "submit", "arguments": {}}]
+  traj = [TRAJ[0], TRAJ[1], {"role": "assistant", "content": "Edit then test.", "tool_calls": calls},
+          {"role": "tool", "content": protocol.format_observation("str_replace", "ok")}]
+  p = tmp_path / "t.jsonl"
+  p.write_text(json.dumps({"messages": traj}) + "\n")
+  (msgs,) = read_trajectories(str(p))
+  ex = encode_chat(msgs, tok)
+  ids, mask = ex["tokens"], ex["loss_mask"]
+  text = tok.decode(ids[mask == 1])
+  assert text.endswith(chat.IM_END)
+  parsed = protocol.parse(text.split(chat.IM_END)[0], SPECS)
+  assert not parsed.errors
+  assert [(c.name, c.args) for c in parsed.calls] == [(c["name"], c["arguments"]) for c in calls]
+  assert chat.parse_tool_calls(text)[1] == calls
 
 
 def test_read_trajectories_reports_bad_lines(tmp_path):
