@@ -158,16 +158,60 @@ class CheckpointConfig:
 
 @dataclass
 class RLConfig:
+  # Loop shape: each step samples `tasks_per_step` tasks x `group_size` rollouts, then updates.
+  steps: int = 20
+  tasks_per_step: int = 4
   group_size: int = 4
-  max_staleness: int = 1
-  max_new_tokens: int = 256
-  temperature: float = 1.0
-  is_clip: float = 2.0  # truncated importance-sampling cap
-  router_replay: bool = True
-  summary_trigger_tokens: int = 0  # self-summarization trigger (0 = off)
-  length_penalty: float = 0.0
-  feedback_kl_coef: float = 0.0
+  minibatches: int = 1  # optimizer updates per rollout batch (PPO-style; 1 = on-policy)
+  seed: int = 0
+  tasks: str = ""  # folder of training task directories (`tasks generate --synthetic ... --out`)
+  eval_tasks: str = ""  # held-out task folder, evaluated at the end ("" = none)
+  async_: bool = False  # asynchronous Ray workers (issue 12); false = synchronous loop
+  max_staleness: int = 1  # versions a trajectory may lag the learner when trained on
   num_workers: int = 1
+  # Sampling.
+  max_new_tokens: int = 256  # per assistant turn
+  max_context: int = 2048  # cache length of one segment (prompt + turns)
+  decode_batch: int = 8  # slots served by one decode batch (continuous batching)
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0  # 0 = whole vocabulary
+  speculative_mtp: bool = False  # draft with the MTP head, verify with the main model
+  # Policy-gradient loss.
+  ppo_clip_low: float = 0.2
+  ppo_clip_high: float = 0.28
+  is_clip: float = 2.0  # truncated importance weight cap between sampler and trainer
+  is_level: Literal["token", "sequence"] = "token"
+  is_mode: Literal["truncate", "mask"] = "truncate"  # mask = zero tokens outside [1/is_clip, is_clip]
+  kl_coef: float = 0.0  # KL to the reference (initial) policy; 0 = off
+  loss_agg: Literal["token_mean", "seq_sum"] = "token_mean"
+  adv_std_norm: bool = False  # divide group advantages by the group's std
+  router_replay: bool = True
+  # Self-summarization: at this many tokens in a segment the model is asked to summarise (0 = off).
+  summary_trigger_tokens: int = 0
+  max_summaries: int = 3
+  # Concave length penalty C(x) = ((1 + k x)^(1-q) - 1) / (k (1 - q)) on a weighted token/call count.
+  length_penalty: float = 0.0  # coefficient (0 = off); reward -= coef * difficulty * C(x) / C(x_ref)
+  length_k: float = 0.01
+  length_q: float = 0.5
+  length_ref: float = 1000.0  # x at which the (unscaled) penalty equals the coefficient
+  length_by_difficulty: bool = True  # scale by the group's pass rate (easy tasks pay more)
+  length_w_reasoning: float = 1.0
+  length_w_tool_call: float = 1.0
+  length_w_tool_output: float = 0.1
+  length_w_final: float = 1.0
+  length_w_calls: float = 10.0
+  length_w_turns: float = 10.0
+  # Behaviour shaping penalties (subtracted from the reward).
+  penalty_malformed_call: float = 0.05
+  penalty_unknown_tool: float = 0.05
+  penalty_repeated_command: float = 0.02
+  penalty_no_call_turn: float = 0.05
+  # Targeted textual feedback (Composer 2.5).
+  feedback_kl_coef: float = 0.0  # 0 = off
+  feedback_topk: int = 0  # teacher distribution: 0 = full vocabulary, else top-k plus a tail bucket
+  feedback_teacher: Literal["current", "frozen"] = "current"
+  max_hints: int = 2  # per trajectory
 
 
 @dataclass
