@@ -111,52 +111,112 @@ def start_workspace(task: Task, dest: str) -> str:
   return dest
 
 
+@dataclasses.dataclass
+class TurnLog:
+  """What one assistant turn did: the input of the feedback detectors and the shaping counts."""
+  index: int
+  assistant_text: str
+  calls: list  # {"name", "args", "ok"} of the calls that ran
+  observations: list  # (tool, ok, text) fed back, in order
+  parse_errors: list  # ParseError messages (malformed calls, unknown tools)
+  unknown_tools: int = 0
+
+
+class Episode:
+  """A steppable episode: ``open()`` gives the first messages, ``act(text)`` runs one assistant turn's
+  calls and returns the tool message, ``close()`` grades and cleans up.
+
+  ``run_episode`` drives it with a policy, one episode at a time; the RL rollout runner drives many
+  at once from one decode batch. Both see the same prompts, observations and grading.
+  """
+
+  def __init__(self, task: Task, limits: Limits = Limits(), mode: str = "auto",
+               max_turns: int = 30, verbose_prompt: bool = False,
+               grade_limits: Limits | None = None, policy_name: str = "policy"):
+    self.task, self.limits, self.mode = task, limits, mode
+    self.max_turns, self.verbose_prompt, self.grade_limits = max_turns, verbose_prompt, grade_limits
+    self.traj = Trajectory(task.instance_id, policy_name, [], [])
+    self.turn_logs: list[TurnLog] = []
+    self.done = False
+    self._tmp = None
+    self._t0 = time.perf_counter()
+
+  def open(self) -> list[dict]:
+    self._tmp = tempfile.TemporaryDirectory(prefix="cj-ep-")
+    self.ws = start_workspace(self.task, os.path.join(self._tmp.name, "ws"))
+    task = self.task
+    hide = guards.installed_copies(task.package_modules) + ([task.path] if task.path else [])
+    sandbox = Sandbox(self.ws, self.limits, mode=self.mode, hide=hide, env=test_env(task, self.ws))
+    self.tools = ToolBox(sandbox, max_output_chars=self.limits.max_output_chars)
+    self.traj.messages = [{"role": "system", "content": SYSTEM_PROMPT + describe_tools(SPECS)},
+                          {"role": "user", "content": task.prompt(self.verbose_prompt)}]
+    return list(self.traj.messages)
+
+  def act(self, turn: "Turn | str") -> dict:
+    """Run the calls of one assistant message; returns the tool message (``self.done`` when over)."""
+    turn = turn if isinstance(turn, Turn) else Turn(str(turn))
+    traj = self.traj
+    traj.turns += 1
+    traj.completion_tokens += (turn.completion_tokens if turn.completion_tokens is not None
+                               else approx_tokens(turn.text))
+    traj.messages.append({"role": "assistant", "content": turn.text})
+    log = TurnLog(len(self.turn_logs), turn.text, [], [], [])
+    observations = []
+    items = parse(turn.text, SPECS).items
+    if not items:
+      traj.no_call_turns += 1
+      log.observations.append(("?", False, "no tool call found"))
+      observations.append(format_observation("?", "no tool call found: call a tool, or submit "
+                                             'with <tool_call name="submit"></tool_call>', False))
+    for item in items:
+      if isinstance(item, ParseError):
+        traj.format_errors += 1
+        log.parse_errors.append(item.message)
+        log.unknown_tools += item.message.startswith("unknown tool")
+        log.observations.append((item.tool, False, item.message))
+        observations.append(format_observation(item.tool, item.message, False))
+        continue
+      obs = self.tools.execute(item)
+      traj.tool_calls += 1
+      call = {"name": item.name, "args": item.args, "ok": obs.ok}
+      traj.calls.append(call)
+      log.calls.append(call)
+      log.observations.append((obs.tool, obs.ok, obs.text))
+      observations.append(format_observation(obs.tool, obs.text, obs.ok))
+      if self.tools.submitted:
+        break
+    self.turn_logs.append(log)
+    message = {"role": "tool", "content": "\n".join(observations)}
+    traj.messages.append(message)
+    traj.submitted = self.tools.submitted
+    self.done = self.tools.submitted or traj.turns >= self.max_turns
+    return message
+
+  def close(self) -> Trajectory:
+    """Grade the workspace as it is (submitted or cut), apply the hack guards, remove the files."""
+    traj, task = self.traj, self.task
+    try:
+      result = grade(task, self.ws, self.grade_limits, self.mode)
+    finally:
+      if self._tmp is not None:
+        self._tmp.cleanup()
+    flags = guards.scan_trajectory(traj.calls, task)
+    traj.flags = [dataclasses.asdict(f) for f in flags]
+    traj.grade = result.details
+    traj.resolved = result.resolved and not guards.is_hack(flags)
+    traj.reward = 0.0 if guards.is_hack(flags) else result.reward
+    traj.wall_s = round(time.perf_counter() - self._t0, 3)
+    self.done = True
+    return traj
+
+
 def run_episode(task: Task, policy, limits: Limits = Limits(), mode: str = "auto",
                 max_turns: int = 30, verbose_prompt: bool = False,
                 grade_limits: Limits | None = None) -> Trajectory:
-  t0 = time.perf_counter()
   policy.reset(task)
-  traj = Trajectory(task.instance_id, getattr(policy, "name", type(policy).__name__), [], [])
-  with tempfile.TemporaryDirectory(prefix="cj-ep-") as tmp:
-    ws = start_workspace(task, os.path.join(tmp, "ws"))
-    hide = guards.installed_copies(task.package_modules) + ([task.path] if task.path else [])
-    sandbox = Sandbox(ws, limits, mode=mode, hide=hide, env=test_env(task, ws))
-    tools = ToolBox(sandbox, max_output_chars=limits.max_output_chars)
-    traj.messages = [{"role": "system", "content": SYSTEM_PROMPT + describe_tools(SPECS)},
-                     {"role": "user", "content": task.prompt(verbose_prompt)}]
-    for _ in range(max_turns):
-      out = policy(traj.messages)
-      turn = out if isinstance(out, Turn) else Turn(str(out))
-      traj.turns += 1
-      traj.completion_tokens += (turn.completion_tokens if turn.completion_tokens is not None
-                                 else approx_tokens(turn.text))
-      traj.messages.append({"role": "assistant", "content": turn.text})
-      observations = []
-      items = parse(turn.text, SPECS).items
-      if not items:
-        traj.no_call_turns += 1
-        observations.append(format_observation("?", "no tool call found: call a tool, or submit "
-                                               'with <tool_call name="submit"></tool_call>', False))
-      for item in items:
-        if isinstance(item, ParseError):
-          traj.format_errors += 1
-          observations.append(format_observation(item.tool, item.message, False))
-          continue
-        obs = tools.execute(item)
-        traj.tool_calls += 1
-        traj.calls.append({"name": item.name, "args": item.args, "ok": obs.ok})
-        observations.append(format_observation(obs.tool, obs.text, obs.ok))
-        if tools.submitted:
-          break
-      traj.messages.append({"role": "tool", "content": "\n".join(observations)})
-      if tools.submitted:
-        traj.submitted = True
-        break
-    result = grade(task, ws, grade_limits, mode)
-  flags = guards.scan_trajectory(traj.calls, task)
-  traj.flags = [dataclasses.asdict(f) for f in flags]
-  traj.grade = result.details
-  traj.resolved = result.resolved and not guards.is_hack(flags)
-  traj.reward = 0.0 if guards.is_hack(flags) else result.reward
-  traj.wall_s = round(time.perf_counter() - t0, 3)
-  return traj
+  ep = Episode(task, limits, mode, max_turns, verbose_prompt, grade_limits,
+               getattr(policy, "name", type(policy).__name__))
+  ep.open()
+  while not ep.done:
+    ep.act(policy(ep.traj.messages))
+  return ep.close()
