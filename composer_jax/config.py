@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -258,8 +259,79 @@ class Config:
 # --------------------------------------------------------------------------------------------------
 
 
+class _Text(str):
+  """A plain (unquoted) YAML scalar kept as written: the field it lands in decides its type, so a
+  string field gets the text itself (``env.sandbox=off`` stays "off", not YAML 1.1's False)."""
+  parsed: Any = None  # an override's value read as YAML (set when it is not a plain scalar)
+  error: str = ""  # an override that is not valid YAML (fine for a string field)
+
+
+class _TextLoader(yaml.SafeLoader):
+  """SafeLoader that resolves no plain scalar: each stays a ``_Text`` until ``_coerce`` types it."""
+
+
+_TextLoader.yaml_implicit_resolvers = {}
+_TextLoader.add_constructor(
+    "tag:yaml.org,2002:str",
+    lambda loader, node: _Text(node.value) if node.style is None else loader.construct_scalar(node))
+
+# YAML 1.2 core schema: only true/false are booleans (no yes/no/on/off), no dates or sexagesimals.
+_NULL = re.compile(r"~|null|Null|NULL|")
+_BOOL = {"true": True, "True": True, "TRUE": True, "false": False, "False": False, "FALSE": False}
+_INT = re.compile(r"[-+]?[0-9][0-9_]*|0o[0-7]+|0x[0-9a-fA-F]+")
+_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9][0-9_]*(\.[0-9_]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)"
+                    r"|\.(nan|NaN|NAN)")
+
+
+def _typed(value: Any, name: str = "") -> Any:
+  """Resolve ``_Text`` scalars (inside lists and mappings too) by the YAML 1.2 core schema."""
+  if isinstance(value, _Text):
+    if value.error:
+      raise ConfigError(f"{name}={str(value)!r} is not valid YAML ({value.error}); quote it or fix it")
+    if value.parsed is not None:
+      return _typed(value.parsed, name)
+    text = str(value)
+    if _NULL.fullmatch(text):
+      return None
+    if text in _BOOL:
+      return _BOOL[text]
+    if _INT.fullmatch(text):
+      return int(text, 0) if text[:2] in ("0o", "0x") else int(text)
+    if _FLOAT.fullmatch(text):
+      return float(text.replace(".inf", "inf").replace(".Inf", "inf").replace(".INF", "inf")
+                   .replace(".nan", "nan").replace(".NaN", "nan").replace(".NAN", "nan"))
+    return text
+  if isinstance(value, list):
+    return [_typed(v, name) for v in value]
+  if isinstance(value, dict):
+    return {_typed(k, name): _typed(v, name) for k, v in value.items()}
+  return value
+
+
+def _takes_text(tp: Any) -> bool:
+  origin = typing.get_origin(tp)
+  if origin is Literal:
+    return all(isinstance(a, str) for a in typing.get_args(tp))
+  if origin in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return len(args) == 1 and _takes_text(args[0])
+  return tp is str
+
+
+def _load_yaml(text) -> Any:
+  return yaml.load(text, Loader=_TextLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _coerce(value: Any, tp: Any, name: str) -> Any:
   """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
+  if isinstance(value, _Text) and _takes_text(tp):
+    nullable = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    if nullable and value.parsed is None and not value.error and _NULL.fullmatch(str(value)):
+      return None
+    # an override that YAML reads as a quoted string keeps the string; anything else the text
+    value = value.parsed if isinstance(value.parsed, str) else str(value)
+  else:
+    value = _typed(value, name)
   origin = typing.get_origin(tp)
   if origin is Literal:
     if value not in typing.get_args(tp):
@@ -344,7 +416,7 @@ def _read_yaml(path: str, seen: tuple = ()) -> dict:
     raise ConfigError(f"{path}: 'base' includes itself")
   with open(path) as f:
     try:
-      data = yaml.safe_load(f) or {}
+      data = _load_yaml(f) or {}
     except yaml.YAMLError as e:
       raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
   if not isinstance(data, dict):
@@ -366,7 +438,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     parts = key.strip().split(".")
     if len(parts) < 2:
       raise ConfigError(f"override {key!r} must name a section and a key, e.g. train.steps=10")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    value = _Text(raw.strip())
+    try:  # a plain scalar stays text; a list, mapping or quoted string is kept as read
+      loaded = _load_yaml(raw) if raw.strip() else value
+    except yaml.YAMLError as e:
+      value.error = str(e).splitlines()[0]
+    else:
+      if not isinstance(loaded, _Text):
+        value.parsed = loaded
     node = data
     for p in parts[:-1]:
       node = node.setdefault(p, {})
