@@ -156,8 +156,15 @@ def _activate(mesh, rules, cfg: Config):
   return activate(mesh, rules, ep_strategy=cfg.mesh.ep_strategy)
 
 
-def build_trainer(cfg: Config, mesh=None) -> Trainer:
-  """Model on its shardings, optimizer state sharded like the params, the jitted step."""
+def build_trainer(cfg: Config, mesh=None, loss_fn: Callable | None = None,
+                  batch_keys: tuple[str, ...] | None = None) -> Trainer:
+  """Model on its shardings, optimizer state sharded like the params, the jitted step.
+
+  ``loss_fn`` replaces the LM loss (contract in ``step.lm_loss_fn``), e.g. the RL policy loss; the
+  step (sharding, optimizer, accumulation, router bias, QK-clip) is the same. Every batch leaf is
+  sharded on its leading (batch) dim whatever its rank; ``batch_keys``, when given, fixes the batch
+  dict's keys (the jitted step then rejects a batch with other keys).
+  """
   from composer_jax.model import build_model
   from composer_jax.parallel.mesh import build_mesh
   from composer_jax.parallel.rules import make_rules, state_shardings
@@ -178,10 +185,13 @@ def build_trainer(cfg: Config, mesh=None) -> Trainer:
   state = {"params": params, "rest": rest, "opt_state": opt_state,
            "step": jax.device_put(jnp.zeros((), jnp.int32), repl), "rng": jax.device_put(rng, repl)}
   batch_axes = tuple(a for a in ("data", "fsdp", "expert") if mesh.shape[a] > 1)
-  batch_sharding = NamedSharding(mesh, P(batch_axes or None, None))
+  # One spec for every rank: the leading dim is the batch, the rest replicated.
+  batch_sharding = NamedSharding(mesh, P(batch_axes or None))
+  batch_in = {k: batch_sharding for k in batch_keys} if batch_keys else batch_sharding
   # The mesh context (for the model's activation constraints) must wrap the jitted call: it is read
   # while tracing, and jax.set_mesh may not be entered inside jit.
-  jit_step = jax.jit(make_train_step(graphdef, cfg, tx, lr_fn), in_shardings=(shardings, batch_sharding),
+  jit_step = jax.jit(make_train_step(graphdef, cfg, tx, lr_fn, loss_fn),
+                     in_shardings=(shardings, batch_in),
                      out_shardings=(shardings, None), donate_argnums=(0,))
   jit_eval = jax.jit(make_eval_step(graphdef), in_shardings=(p_sh, r_sh, batch_sharding, repl))
 
@@ -197,8 +207,9 @@ def build_trainer(cfg: Config, mesh=None) -> Trainer:
 
 
 def put_batch(tr: Trainer, batch: dict) -> dict:
+  """Every leaf (any rank, leading dim = batch) onto the batch sharding."""
   if jax.process_count() > 1:
-    return {k: jax.make_array_from_process_local_data(tr.batch_sharding, v) for k, v in batch.items()}
+    return jax.tree.map(lambda v: jax.make_array_from_process_local_data(tr.batch_sharding, v), batch)
   return jax.device_put(batch, tr.batch_sharding)
 
 

@@ -88,19 +88,37 @@ def _micro_batches(batch: dict, n: int) -> dict:
   return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
 
 
-def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
-                    lr_fn: Callable | None = None) -> Callable:
-  mcfg, tcfg = cfg.model, cfg.train
+def lm_loss_fn(model, batch: dict, cfg: Config):
+  """The default training loss: next-token (+ MTP, z-loss, aux) LM loss on a packed batch.
 
+  Every loss handed to ``make_train_step`` has this signature:
+  ``loss_fn(model, batch, cfg) -> (loss scalar, metrics dict, ModelOutput)``. ``metrics["tokens"]``
+  is the count the loss averages over (it weighs micro-batches under gradient accumulation) and
+  ``out.router_loads`` feeds the aux-loss-free router-bias update.
+  """
+  out = model(batch["tokens"], batch["segment_ids"], batch["positions"])
+  loss, metrics = lm_loss(out, batch["tokens"], batch["loss_mask"], cfg.model, batch["segment_ids"],
+                          z_loss=cfg.train.z_loss)
+  return loss, metrics, out
+
+
+def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
+                    lr_fn: Callable | None = None, loss_fn: Callable | None = None) -> Callable:
+  """``train_step(state, batch)`` for ``loss_fn`` (default ``lm_loss_fn``; see it for the contract).
+
+  Every leaf of ``batch`` has the batch as its leading dim (micro-batches split it).
+  """
+  mcfg, tcfg = cfg.model, cfg.train
+  user_loss = loss_fn if loss_fn is not None else lm_loss_fn
   qk_clip = cfg.optim.qk_clip
 
   def loss_fn(params, rest, mb):
     model = nnx.merge(graphdef, params, rest)
     if qk_clip:
       model.set_attributes(record_max_logit=True, raise_if_not_found=False)
-    out = model(mb["tokens"], mb["segment_ids"], mb["positions"])
-    loss, metrics = lm_loss(out, mb["tokens"], mb["loss_mask"], mcfg, mb["segment_ids"],
-                            z_loss=tcfg.z_loss)
+    loss, metrics, out = user_loss(model, mb, cfg)
+    if "tokens" not in metrics:
+      raise ValueError("loss_fn metrics must contain 'tokens' (the count the loss averages over)")
     head_max = pop_max_logits(model) if qk_clip else jnp.zeros((0,), jnp.float32)
     loads = out.router_loads if out.router_loads is not None else jnp.zeros((0,), jnp.float32)
     return loss, (metrics, loads, head_max)
@@ -118,7 +136,7 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
         g_acc, m_acc, l_acc, h_acc, tok = carry
         (_, (m, lo, hm)), g = grad_fn(params, rest, mb)
         w = m["tokens"]
-        g_acc = jax.tree.map(lambda a, b: a + w * b, g_acc, g)
+        g_acc = jax.tree.map(lambda a, b: a + w * b.astype(jnp.float32), g_acc, g)
         m_acc = jax.tree.map(lambda a, b: a + w * b, m_acc, m)
         return (g_acc, m_acc, l_acc + lo, jnp.maximum(h_acc, hm), tok + w), None
 
@@ -126,11 +144,13 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
       first = jax.tree.map(lambda x: x[0], mbs)
       m_shape = jax.eval_shape(lambda: grad_fn(params, rest, first)[0][1])
       zeros = lambda t: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), t)
-      init = (jax.tree.map(jnp.zeros_like, params), zeros(m_shape[0]), zeros(m_shape[1]),
+      # The gradient sum is float32 whatever the parameter dtype (a bf16 carry would lose the small
+      # micro-batch contributions, and scan needs the carry's dtype fixed).
+      init = (zeros(params), zeros(m_shape[0]), zeros(m_shape[1]),
               jnp.full(m_shape[2].shape, -jnp.inf, jnp.float32), jnp.zeros((), jnp.float32))
       (g_sum, m_sum, l_sum, head_max, tok), _ = jax.lax.scan(body, init, mbs)
       denom = jnp.maximum(tok, 1.0)
-      grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), g_sum)
+      grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
       metrics = jax.tree.map(lambda m: m / denom, m_sum)
       metrics["tokens"] = tok
       loads = l_sum / n

@@ -96,3 +96,32 @@ def test_bits_per_byte_matches_float64_reference():
         want_bytes += lengths[tokens[b, t]]
   np.testing.assert_allclose(float(bits), want_bits, rtol=1e-5)
   assert float(nbytes) == want_bytes
+
+
+def test_custom_loss_fn_and_rank4_batch_leaves_on_a_mesh(setup):
+  """The RL learner's route: build_trainer with its own loss and batch dict on a data=2 mesh.
+
+  A loss equal to the default gives the default step's parameters; an extra [b, s, 2, 3] leaf is
+  sharded on its batch dim and reaches the loss (its mean becomes a metric).
+  """
+  from composer_jax.parallel.mesh import build_mesh
+  from composer_jax.train.loop import build_trainer, put_batch
+  from composer_jax.train.step import lm_loss_fn
+  cfg = load_config("configs/tiny.yaml", SMALL + ["mesh.data=2"])
+  mesh = build_mesh(cfg.mesh, jax.devices()[:2])
+  batch = dict(setup[4])
+  extra = np.arange(4 * 16 * 2 * 3, dtype=np.float32).reshape(4, 16, 2, 3)
+
+  def my_loss(model, b, c):
+    loss, metrics, out = lm_loss_fn(model, b, c)
+    return loss, {**metrics, "extra_mean": b["extra"].mean()}, out
+
+  ref = build_trainer(cfg, mesh)
+  s_ref, _ = ref.step_fn(ref.state, put_batch(ref, batch))
+  tr = build_trainer(cfg, mesh, loss_fn=my_loss, batch_keys=tuple(batch) + ("extra",))
+  put = put_batch(tr, {**batch, "extra": extra})
+  assert put["extra"].sharding.spec[0] == "data" and put["extra"].addressable_shards[0].data.shape == (2, 16, 2, 3)
+  s, m = tr.step_fn(tr.state, put)
+  assert float(m["extra_mean"]) == extra.mean()
+  for a, b in zip(jax.tree.leaves(s_ref["params"]), jax.tree.leaves(s["params"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
