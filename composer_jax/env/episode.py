@@ -111,23 +111,14 @@ def start_workspace(task: Task, dest: str) -> str:
   return dest
 
 
-@dataclasses.dataclass
-class TurnLog:
-  """What one assistant turn did: the input of the feedback detectors and the shaping counts."""
-  index: int
-  assistant_text: str
-  calls: list  # {"name", "args", "ok"} of the calls that ran
-  observations: list  # (tool, ok, text) fed back, in order
-  parse_errors: list  # ParseError messages (malformed calls, unknown tools)
-  unknown_tools: int = 0
-
-
 class Episode:
   """A steppable episode: ``open()`` gives the first messages, ``act(text)`` runs one assistant turn's
   calls and returns the tool message, ``close()`` grades and cleans up.
 
   ``run_episode`` drives it with a policy, one episode at a time; the RL rollout runner drives many
-  at once from one decode batch. Both see the same prompts, observations and grading.
+  at once from one decode batch. Both see the same prompts, observations and grading. The per-turn
+  view the feedback detectors need is rebuilt from ``traj.messages``
+  (``composer_jax.rl.feedback.records_from_messages``).
   """
 
   def __init__(self, task: Task, limits: Limits = Limits(), mode: str = "auto",
@@ -136,7 +127,6 @@ class Episode:
     self.task, self.limits, self.mode = task, limits, mode
     self.max_turns, self.verbose_prompt, self.grade_limits = max_turns, verbose_prompt, grade_limits
     self.traj = Trajectory(task.instance_id, policy_name, [], [])
-    self.turn_logs: list[TurnLog] = []
     self.done = False
     self._tmp = None
     self._t0 = time.perf_counter()
@@ -160,32 +150,24 @@ class Episode:
     traj.completion_tokens += (turn.completion_tokens if turn.completion_tokens is not None
                                else approx_tokens(turn.text))
     traj.messages.append({"role": "assistant", "content": turn.text})
-    log = TurnLog(len(self.turn_logs), turn.text, [], [], [])
     observations = []
     items = parse(turn.text, SPECS).items
     if not items:
       traj.no_call_turns += 1
-      log.observations.append(("?", False, "no tool call found"))
       observations.append(format_observation("?", "no tool call found: call a tool, or submit "
                                              'with <tool_call name="submit"></tool_call>', False))
     for item in items:
       if isinstance(item, ParseError):
         traj.format_errors += 1
-        log.parse_errors.append(item.message)
-        log.unknown_tools += item.message.startswith("unknown tool")
-        log.observations.append((item.tool, False, item.message))
         observations.append(format_observation(item.tool, item.message, False))
         continue
       obs = self.tools.execute(item)
       traj.tool_calls += 1
       call = {"name": item.name, "args": item.args, "ok": obs.ok}
       traj.calls.append(call)
-      log.calls.append(call)
-      log.observations.append((obs.tool, obs.ok, obs.text))
       observations.append(format_observation(obs.tool, obs.text, obs.ok))
       if self.tools.submitted:
         break
-    self.turn_logs.append(log)
     message = {"role": "tool", "content": "\n".join(observations)}
     traj.messages.append(message)
     traj.submitted = self.tools.submitted
