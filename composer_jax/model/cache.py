@@ -2,16 +2,28 @@
 
 Per token per layer this is kv_lora_rank + qk_rope_dim numbers (576 for Kimi K2), against
 n_heads * (qk_head_dim + v_head_dim) if keys and values were expanded per head.
+
+Rows advance independently (ragged batches): ``index[b]`` is how many tokens row b holds. A call feeds
+tokens [b, s] whose valid tokens are a *prefix* of each row (right padding), marked by a segment-id
+row that is non-zero on valid tokens; row b writes its ``n_new[b]`` valid tokens at positions
+index[b] .. index[b] + n_new[b] - 1 and advances by n_new[b]. Padding tokens are never written
+(scatter with out-of-bounds positions dropped), so a row may be fed 0 tokens while others prefill.
+
+``view`` (static) bounds what attention reads: the first ``view`` slots of the buffer, a bucket
+>= the longest filled row, so a decode step costs the filled length, not ``max_len``.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from composer_jax.config import ModelConfig
 from composer_jax.model.layers import dtype_of
+
+MIN_BUCKET = 16
 
 
 @struct.dataclass
@@ -19,13 +31,26 @@ class LayerCache:
   c: jax.Array  # [b, T, kv_lora_rank] normalised latent
   k_pe: jax.Array  # [b, T, qk_rope_dim] rotated shared key
   index: jax.Array  # [b] tokens written so far
+  view: int = struct.field(pytree_node=False, default=0)  # slots attention reads (0 = all T)
 
-  def write(self, c_new: jax.Array, kpe_new: jax.Array) -> "LayerCache":
-    s = c_new.shape[1]
-    upd = jax.vmap(lambda buf, new, i: jax.lax.dynamic_update_slice_in_dim(buf, new, i, axis=0))
-    return LayerCache(c=upd(self.c, c_new.astype(self.c.dtype), self.index),
-                      k_pe=upd(self.k_pe, kpe_new.astype(self.k_pe.dtype), self.index),
-                      index=self.index + s)
+  @property
+  def max_len(self) -> int:
+    return self.c.shape[1]
+
+  def write(self, c_new: jax.Array, kpe_new: jax.Array, n_new: jax.Array | None = None) -> "LayerCache":
+    """Write the first ``n_new[b]`` of the s new entries of each row at ``index[b]`` (all s if None).
+
+    Entries that would land past the buffer are dropped, never clamped onto earlier tokens; callers
+    refuse an overflow beforehand with ``check_room`` (inside jit it cannot raise).
+    """
+    b, s = c_new.shape[:2]
+    n_new = jnp.full((b,), s, jnp.int32) if n_new is None else n_new.astype(jnp.int32)
+    j = jnp.arange(s, dtype=jnp.int32)[None]
+    pos = jnp.where(j < n_new[:, None], self.index[:, None] + j, self.max_len)  # T = dropped
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, s))
+    c = self.c.at[rows, pos].set(c_new.astype(self.c.dtype), mode="drop")
+    k_pe = self.k_pe.at[rows, pos].set(kpe_new.astype(self.k_pe.dtype), mode="drop")
+    return self.replace(c=c, k_pe=k_pe, index=self.index + n_new)
 
 
 @struct.dataclass
@@ -36,6 +61,21 @@ class Cache:
   def index(self) -> jax.Array:
     return self.layers[0].index
 
+  @property
+  def max_len(self) -> int:
+    return self.layers[0].max_len
+
+  def with_index(self, index) -> "Cache":
+    """The same buffers with every layer's row lengths set to ``index`` [b] (host-tracked lengths)."""
+    index = jnp.asarray(index, jnp.int32)
+    return Cache(tuple(lc.replace(index=index) for lc in self.layers))
+
+  def with_view(self, view: int) -> "Cache":
+    """Attention reads only the first ``view`` slots (static: one trace per view)."""
+    if not 0 <= view <= self.max_len:
+      raise ValueError(f"cache view {view} outside [0, {self.max_len}]")
+    return Cache(tuple(lc.replace(view=int(view)) for lc in self.layers))
+
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
   dtype = dtype or dtype_of(cfg.compute_dtype)
@@ -44,6 +84,24 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
                       k_pe=jnp.zeros((batch, max_len, cfg.qk_rope_dim), dtype),
                       index=jnp.zeros((batch,), jnp.int32))
   return Cache(layers=tuple(one() for _ in range(cfg.n_layers)))
+
+
+def bucket(n: int, cap: int, minimum: int = MIN_BUCKET) -> int:
+  """The next power of two >= n (at least ``minimum``), capped at ``cap``: few static shapes."""
+  b = minimum
+  while b < n:
+    b *= 2
+  return min(b, cap)
+
+
+def check_room(index, n_new, max_len: int) -> None:
+  """Refuse, in one line, a write past the cache (host-side: inside jit it would be dropped)."""
+  index, n_new = np.asarray(index), np.asarray(n_new)
+  end = index + n_new
+  if np.any(end > max_len):
+    row = int(np.argmax(end > max_len))
+    raise ValueError(f"decode cache overflow: row {row} holds {int(index[row])} tokens + "
+                     f"{int(n_new[row])} new > max_len {max_len}; start a new cache or raise max_len")
 
 
 def cache_elements_per_token_per_layer(cfg: ModelConfig) -> int:

@@ -102,7 +102,7 @@ class MLA(nnx.Module):
     (out, new_cache); otherwise the expanded training path and (out, None).
     """
     if cache is not None:
-      return self.absorbed(x, cos, sin, cache)
+      return self.absorbed(x, cos, sin, cache, seg)
     cfg = self.cfg
     b, s, _ = x.shape
     q_nope, q_pe = self._query(x, cos, sin)
@@ -129,21 +129,28 @@ class MLA(nnx.Module):
     o = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
     return self._out(o), None
 
-  def absorbed(self, x, cos, sin, cache):
-    """Decode/prefill: attend over the cached latent with the up-projections absorbed."""
+  def absorbed(self, x, cos, sin, cache, seg=None):
+    """Decode/prefill: attend over the cached latent with the up-projections absorbed.
+
+    ``seg`` [b, s] (non-zero = valid; valid tokens first in each row) gives each row's count of new
+    tokens (a ragged batch); None = all s. Attention reads the first ``cache.view`` slots.
+    """
     cfg = self.cfg
     b, s, _ = x.shape
     q_nope, q_pe = self._query(x, cos, sin)
     c, k_pe = self._latent(x, cos, sin)
-    cache = cache.write(c, k_pe)
+    start = cache.index
+    n_new = None if seg is None else jnp.sum(seg != 0, axis=1).astype(jnp.int32)
+    cache = cache.write(c, k_pe, n_new)
+    view = cache.view or cache.max_len
     w = self.kv_b.w[...].astype(q_nope.dtype)  # [r, h, nope + v]
     w_k, w_v = w[..., : cfg.qk_nope_dim], w[..., cfg.qk_nope_dim:]
     q_lat = jnp.einsum("bqhd,rhd->bqhr", q_nope, w_k)  # query in latent space
-    ckv, kpe = cache.c.astype(q_lat.dtype), cache.k_pe.astype(q_pe.dtype)
+    ckv, kpe = cache.c[:, :view].astype(q_lat.dtype), cache.k_pe[:, :view].astype(q_pe.dtype)
     scores = (jnp.einsum("bqhr,bkr->bhqk", q_lat, ckv, preferred_element_type=jnp.float32)
               + jnp.einsum("bqhd,bkd->bhqk", q_pe, kpe, preferred_element_type=jnp.float32))
-    q_idx = cache.index[:, None] - s + jnp.arange(s)[None]  # positions of the new tokens
-    k_idx = jnp.broadcast_to(jnp.arange(ckv.shape[1])[None], (b, ckv.shape[1]))
+    q_idx = start[:, None] + jnp.arange(s)[None]  # positions of the new tokens
+    k_idx = jnp.broadcast_to(jnp.arange(view)[None], (b, view))
     mask = attention_mask(q_idx, k_idx, k_valid=k_idx < cache.index[:, None])
     probs = masked_softmax(scores * self.scale, mask).astype(ckv.dtype)
     o_lat = jnp.einsum("bhqk,bkr->bqhr", probs, ckv)

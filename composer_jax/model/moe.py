@@ -82,6 +82,33 @@ def dropless_moe(x, expert_ids, weights, w_gate, w_up, w_down, *, impl: str = "a
   return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
 
 
+# Up to this many (token, slot) pairs per call the MoE multiplies each pair by its own gathered
+# expert weights instead of sorting into the grouped-matmul block layout. The layout pads every
+# expert's group to whole blocks (~ceil(m/bm) + E blocks: 2,000+ rows on GPU for one decode step of 8
+# tokens, tens of thousands for K2); the gather reads exactly the m weight matrices it uses. Decode
+# (a few tokens per slot) takes the gather, prefill and training the layout.
+GATHER_MAX_PAIRS = 64
+
+
+def gathered_moe(x, expert_ids, weights, w_gate, w_up, w_down):
+  """Small-batch routed experts: x [T,d], expert_ids/weights [T,k] -> [T,d] by per-pair weights."""
+  g, u, dn = (jnp.take(w, expert_ids, axis=0) for w in (w_gate, w_up, w_down))  # [T, k, ...]
+  h = jax.nn.silu(jnp.einsum("td,tkdf->tkf", x, g)) * jnp.einsum("td,tkdf->tkf", x, u)
+  y = jnp.einsum("tkf,tkfd->tkd", h.astype(x.dtype), dn)
+  return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
+
+
+def moe_dispatch(x, expert_ids, weights, w_gate, w_up, w_down, *, impl: str = "auto",
+                 precision: str = "bf16", max_gather_pairs: int | None = None):
+  """Single-shard routed experts, dispatch chosen by row count (static): few rows -> per-pair
+  gathered weights; many -> the sorted grouped matmul. Quantized recipes always take the grouped
+  matmul, whose operands are fake-quantized as in training."""
+  limit = GATHER_MAX_PAIRS if max_gather_pairs is None else max_gather_pairs
+  if precision == "bf16" and expert_ids.size <= limit:
+    return gathered_moe(x, expert_ids, weights, w_gate, w_up, w_down)
+  return dropless_moe(x, expert_ids, weights, w_gate, w_up, w_down, impl=impl, precision=precision)
+
+
 class MoE(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: KeySeq):
@@ -95,7 +122,9 @@ class MoE(nnx.Module):
     self.w_down = param(rngs, (e, f, d), ("exp", "exp_mlp", "exp_embed"), pd, std=cfg.init_std)
     self.shared = MLP(cfg, f * cfg.n_shared_experts, rngs) if cfg.n_shared_experts else None
 
-  def __call__(self, x, replay_ids=None, valid=None):
+  def __call__(self, x, replay_ids=None, valid=None, decode: bool = False):
+    """``decode`` (the cached path) lets few rows take the gathered dispatch; training keeps the
+    grouped matmul whatever the batch, so the kernels it tests are the ones it trains with."""
     cfg = self.cfg
     b, s, d = x.shape
     cdt = dtype_of(cfg.compute_dtype)
@@ -109,8 +138,8 @@ class MoE(nnx.Module):
       from composer_jax.parallel.experts import expert_parallel_moe
       y = expert_parallel_moe(xt.astype(cdt), ids, weights, *w, cfg=cfg, mesh=mesh)
     else:
-      y = dropless_moe(xt.astype(cdt), ids, weights, *w, impl=cfg.gmm_impl,
-                       precision=cfg.gmm_precision)
+      y = moe_dispatch(xt.astype(cdt), ids, weights, *w, impl=cfg.gmm_impl,
+                       precision=cfg.gmm_precision, max_gather_pairs=None if decode else 0)
     y = constrain(y.reshape(b, s, d), ("act_batch", "act_seq", "act_embed"))
     if self.shared is not None:
       y = y + self.shared(x)

@@ -51,10 +51,17 @@ def route(logits: jax.Array, bias: jax.Array | None, cfg: ModelConfig,
   """Returns (expert_ids [T,k], weights [T,k], scores [T,E]).
 
   ``replay_ids`` (router replay for RL): use these experts instead of choosing, but compute their
-  weights from this model's own scores so gradients flow through the router as usual.
+  weights from this model's own scores so gradients flow through the router as usual. A token whose
+  recorded ids hold any negative entry has no recorded route (prompt tokens a sampler never saw,
+  padding): it takes the live router's choice, whole, so its k experts stay distinct.
   """
   scores = router_scores(logits, cfg.scoring)
-  ids = select_experts(scores, bias, cfg) if replay_ids is None else replay_ids.astype(jnp.int32)
+  if replay_ids is None:
+    ids = select_experts(scores, bias, cfg)
+  else:
+    replay_ids = replay_ids.astype(jnp.int32)
+    missing = jnp.any(replay_ids < 0, axis=-1, keepdims=True)
+    ids = jnp.where(missing, select_experts(scores, bias, cfg), replay_ids)
   return ids, combine_weights(scores, ids, cfg), scores
 
 

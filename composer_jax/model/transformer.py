@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from composer_jax.config import ModelConfig
-from composer_jax.model.cache import Cache, LayerCache
+from composer_jax.model.cache import Cache, LayerCache, check_room
 from composer_jax.model.layers import KeySeq, MLP, Linear, RMSNorm, dtype_of, param, rope_cos_sin
 from composer_jax.model.mla import MLA
 from composer_jax.model.moe import MoE
@@ -49,7 +49,7 @@ class Block(nnx.Module):
     stats = None
     if self.is_moe:
       valid = None if seg is None else seg != 0
-      m, stats = self.mlp(self.mlp_norm(h), replay_ids, valid)
+      m, stats = self.mlp(self.mlp_norm(h), replay_ids, valid, decode=cache is not None)
     else:
       m = self.mlp(self.mlp_norm(h))
     return constrain(h + m, ("act_batch", "act_seq", "act_embed")), cache, stats
@@ -114,15 +114,21 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens, segment_ids=None, positions=None, *, cache: Cache | None = None,
                routed_experts=None, return_routing: bool = False, return_hidden: bool = False,
-               mtp: bool = True) -> ModelOutput:
+               mtp: bool = True, logit_positions=None) -> ModelOutput:
     """tokens [b,s] int32. ``segment_ids`` (0 = padding) separate packed documents.
 
     ``routed_experts`` [n_moe_layers, b, s, k] replays recorded router choices (RL); with
     ``return_routing`` the choices made are returned in the same layout. ``cache`` switches to the
-    absorbed decoding path and returns the updated cache.
+    absorbed decoding path and returns the updated cache; there ``segment_ids`` (non-zero = valid,
+    valid tokens first) give each row's count of new tokens, so rows of different lengths share a
+    batch (see composer_jax.model.cache). ``logit_positions`` [b] computes the head only at one
+    position per row (logits [b, 1, vocab]): a prefill needs the last valid token's, not all s.
     """
     cfg = self.cfg
     b, s = tokens.shape
+    if cache is not None and not any(isinstance(a, jax.core.Tracer) for a in (cache.index, segment_ids)):
+      n_new = s if segment_ids is None else jnp.sum(jnp.asarray(segment_ids) != 0, axis=1)
+      check_room(cache.index, n_new, cache.max_len)  # refused here: inside jit it would be dropped
     if positions is None:
       start = cache.index[:, None] if cache is not None else jnp.zeros((b, 1), jnp.int32)
       positions = start + jnp.arange(s, dtype=jnp.int32)[None]
@@ -140,8 +146,10 @@ class Transformer(nnx.Module):
         stats.append(st)
         moe_i += 1
     hidden = x
+    if logit_positions is not None:
+      x = jnp.take_along_axis(x, jnp.asarray(logit_positions, jnp.int32)[:, None, None], axis=1)
     logits = self.logits(self.norm(x))
-    mtp_logits, h = [], x
+    mtp_logits, h = [], hidden
     if mtp and cache is None:
       for k, depth in enumerate(self.mtp, start=1):
         ahead = jnp.pad(tokens[:, k:], ((0, 0), (0, k)))
