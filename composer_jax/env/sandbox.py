@@ -1,30 +1,63 @@
 """Run one command in a bubblewrap sandbox with resource limits, a wall-clock timeout and clipped output.
 
-bubblewrap gives namespaces (no network, private pids/ipc/uts), a read-only view of the system, the
-task workspace bound read-write and a private tmpfs ``/tmp``. It has no resource limits of its own, so
-rlimits (address space, processes, file size, CPU seconds) are set on the bwrap process before exec
-(children inherit them), and the whole process group is killed when the wall-clock timeout fires.
+What a command sees is an allow-list, built on an empty root (anything not listed does not exist):
 
-Where bwrap cannot run (no user namespaces, not installed) ``sandbox="auto"`` prints a loud warning
-once and falls back to rlimits only; ``sandbox="required"`` refuses; ``sandbox="off"`` skips bwrap
-on purpose (trusted code, debugging).
+- the system runtime, read-only: ``/usr`` and the top-level ``/bin``, ``/sbin``, ``/lib*`` (symlinks
+  kept as symlinks), and from ``/etc`` only what a toolchain needs to start: the loader cache and
+  config (``ld.so.*``), ``alternatives``, ``ssl`` and ``ca-certificates`` (TLS for set-up steps),
+  ``localtime``, ``passwd``/``group`` (names for uids; no shadow files), ``nsswitch.conf``, ``hosts``,
+  and ``resolv.conf`` only when the network is on;
+- the running interpreter, read-only, derived from it rather than from a distribution's layout:
+  ``sys.prefix``, ``base_prefix``, ``exec_prefix``, the ``sysconfig`` stdlib and site directories,
+  the user site directory when it is on ``sys.path``, and the shared libraries a bare interpreter maps
+  (``/proc/self/maps``) outside those. Under pyenv that is one ``versions/X.Y.Z`` directory, not the
+  home directory holding it;
+- the task's environment read-only (``ro_binds``), with ``hide`` paths (installed copies of the
+  package under test, task stores) made empty;
+- the workspace and ``binds`` read-write; a private tmpfs ``/tmp`` with ``HOME=/tmp/home``; a minimal
+  ``/dev`` and the ``/proc`` of the sandbox's own pid namespace.
+
+No home directories, caches, task stores, gold files, other workspaces, project checkout, host
+``/var``, ``/opt``, ``/srv``, ``/mnt``. Namespaces: own pids (host processes invisible), ipc, uts,
+user, and no network unless ``network=True`` (set-up steps that install dependencies). Environment
+variables are built from scratch (``PATH`` from the allowed directories; nothing of the host's passes).
+
+Limits: bubblewrap has none, so rlimits (address space, processes, file size, CPU seconds) are set
+before exec, and where a pids cgroup can be made (v1, or a delegated v2) each call gets one with
+``pids.max`` — root ignores RLIMIT_NPROC, a cgroup also bounds a fork bomb run as root.
+
+Nothing outlives a call, in every mode: when the command returns (or times out) its process group is
+killed, then every process left in its cgroup; under bwrap the pid namespace dies with its init. In
+the rlimit-only fallback without a cgroup, processes that left the group (setsid) are found by a
+per-call marker in their environment.
+
+Modes: where bwrap cannot run, ``sandbox="auto"`` prints a loud warning once and falls back to rlimits
+only (no namespaces: network and file system reachable); ``"required"`` refuses; ``"off"`` skips bwrap
+on purpose. Only scripted policies and trusted set-up may run unisolated: anything a model drives goes
+through ``require_isolation`` (or ``Sandbox(model_driven=True)``), which refuses whatever the mode.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import os
 import resource
+import select
 import shutil
 import signal
+import site
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from typing import Sequence
 
 _BWRAP_OK: bool | None = None
 _WARNED = False
+INSTALL_HINT = "install bubblewrap (apt-get install -y bubblewrap) on a host with user namespaces"
 
 
 class SandboxError(RuntimeError):
@@ -35,7 +68,7 @@ class SandboxError(RuntimeError):
 class Limits:
   timeout_s: float = 30.0
   memory_mb: int = 4096  # RLIMIT_AS
-  max_procs: int = 256  # RLIMIT_NPROC
+  max_procs: int = 256  # RLIMIT_NPROC and the call's pids cgroup
   max_file_mb: int = 256  # RLIMIT_FSIZE
   cpu_s: int = 0  # RLIMIT_CPU; 0 = 2 x timeout
   max_output_chars: int = 8000
@@ -60,6 +93,95 @@ class ExecResult:
     return self.exit_code == 0 and not self.timed_out
 
 
+# --------------------------------------------------------------------------------------------------
+# The allow-list
+# --------------------------------------------------------------------------------------------------
+
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-certificates",
+        "ca-certificates.conf", "localtime", "passwd", "group", "nsswitch.conf", "hosts")
+_ETC_NET = ("resolv.conf", "gai.conf", "host.conf")
+
+
+def _under(path: str, roots) -> bool:
+  return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+@functools.lru_cache(maxsize=None)
+def _system_args(network: bool) -> tuple[str, ...]:
+  """Read-only binds (and symlinks) of the system runtime and the few /etc files it needs."""
+  args: list[str] = []
+  for d in _SYSTEM_DIRS:
+    if os.path.islink(d):
+      args += ["--symlink", os.readlink(d), d]
+    elif os.path.isdir(d):
+      args += ["--ro-bind", d, d]
+  for name in _ETC + (_ETC_NET if network else ()):
+    p = os.path.join("/etc", name)
+    if os.path.lexists(p) and os.path.exists(p):  # a dangling link cannot be bound
+      args += ["--ro-bind", p, p]
+  return tuple(args)
+
+
+def _mapped_libraries() -> list[str]:
+  """Files a bare interpreter (``-S -E``: no site, no env) maps at start: libpython, libc, the loader."""
+  code = "import sys; sys.stdout.write(open('/proc/self/maps').read())"
+  try:
+    r = subprocess.run([sys.executable, "-S", "-E", "-c", code], capture_output=True, text=True,
+                       timeout=30, env={"PATH": "/usr/bin:/bin"})
+  except (OSError, subprocess.TimeoutExpired):
+    return []
+  libs = {line.split(None, 5)[5].strip() for line in r.stdout.splitlines() if len(line.split(None, 5)) == 6}
+  return sorted(p for p in libs if p.startswith("/") and os.path.isfile(p))
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_paths() -> tuple[str, ...]:
+  """Host paths the running interpreter needs, minimal (none lies under another) and existing."""
+  cands = [sys.prefix, sys.base_prefix, sys.exec_prefix, getattr(sys, "base_exec_prefix", sys.prefix),
+           os.path.dirname(sys.executable)]
+  cands += [v for k, v in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib",
+                                                                  "platlib", "scripts")]
+  cands += site.getsitepackages() if hasattr(site, "getsitepackages") else []
+  user = _user_site()
+  if user:
+    cands.append(user)
+  cands += _mapped_libraries()
+  real = sorted({os.path.realpath(p) for p in cands if p and os.path.exists(p)})
+  system = [d for d in _SYSTEM_DIRS if os.path.isdir(d) and not os.path.islink(d)]
+  out: list[str] = []
+  for p in real:  # sorted: a parent comes before its children
+    if not _under(p, out) and not _under(p, system):
+      out.append(p)
+  return tuple(out)
+
+
+def _user_site() -> str | None:
+  """The user site directory, only when the host interpreter actually uses it."""
+  user = site.getusersitepackages() if site.ENABLE_USER_SITE else None
+  return user if user and user in sys.path and os.path.isdir(user) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _interpreter_args() -> tuple[str, ...]:
+  args: list[str] = []
+  for p in interpreter_paths():
+    args += ["--ro-bind", p, p]
+  for p in sorted({sys.prefix, sys.base_prefix}):  # a symlinked prefix keeps working by its name
+    if os.path.islink(p) and not _under(p, interpreter_paths()):
+      args += ["--symlink", os.path.realpath(p), p]
+  return tuple(args)
+
+
+@functools.lru_cache(maxsize=None)
+def search_path() -> str:
+  """``PATH`` inside: the interpreter's script directories first, then the system's."""
+  dirs = [os.path.dirname(sys.executable), os.path.join(sys.prefix, "bin"),
+          os.path.join(sys.base_prefix, "bin"), "/usr/local/sbin", "/usr/local/bin", "/usr/sbin",
+          "/usr/bin", "/sbin", "/bin"]
+  return ":".join(d for d in dict.fromkeys(dirs) if os.path.isdir(d))
+
+
 def bwrap_available() -> bool:
   """Whether bubblewrap is installed and can create its namespaces here (checked once)."""
   global _BWRAP_OK
@@ -69,12 +191,26 @@ def bwrap_available() -> bool:
       _BWRAP_OK = False
     else:
       try:
-        r = subprocess.run([exe, "--unshare-all", "--ro-bind", "/", "/", "true"],
-                           capture_output=True, timeout=20)
+        r = subprocess.run([exe, "--unshare-all", *_system_args(False), "--proc", "/proc", "true"],
+                           capture_output=True, timeout=20, env={"PATH": "/usr/bin:/bin"})
         _BWRAP_OK = r.returncode == 0
       except (OSError, subprocess.TimeoutExpired):
         _BWRAP_OK = False
   return _BWRAP_OK
+
+
+def require_isolation(mode: str = "auto", what: str = "a model-driven run") -> str:
+  """For anything a model drives: bubblewrap must work, whatever ``env.sandbox`` says (``off`` and
+  ``auto`` fall back only for scripted policies and trusted set-up). Returns the mode to use."""
+  if not bwrap_available():
+    raise SandboxError(f"{what} needs the bubblewrap sandbox (env.sandbox={mode} does not apply to "
+                       f"model-driven runs), and bwrap cannot run here: {INSTALL_HINT}")
+  return "required"
+
+
+# --------------------------------------------------------------------------------------------------
+# Limits and clean-up
+# --------------------------------------------------------------------------------------------------
 
 
 def clip_output(text: str, max_chars: int) -> tuple[str, bool]:
@@ -142,17 +278,158 @@ def _set_limits(limits: Limits):
   return apply
 
 
+_CALLS = itertools.count()
+
+
+@functools.lru_cache(maxsize=None)
+def _cgroup_base() -> str | None:
+  """A pids-cgroup folder this process may make children in, or None (then rlimits only)."""
+  try:
+    with open("/proc/self/cgroup") as f:
+      own = [line.rstrip("\n").split(":", 2) for line in f]
+    with open("/proc/self/mountinfo") as f:
+      mounts = [line.split() for line in f]
+  except OSError:
+    return None
+  for m in mounts:
+    sep = m.index("-")
+    fstype, opts, root, point = m[sep + 1], m[sep + 3].split(","), m[3], m[4]
+    if fstype == "cgroup" and "pids" in opts:
+      rel = next((p for _, c, p in own if "pids" in c.split(",")), None)
+    elif fstype == "cgroup2":
+      rel = next((p for h, c, p in own if h == "0" and c == ""), None)
+    else:
+      continue
+    if rel is None or not _under(rel, [root]):
+      continue
+    here = os.path.join(point, os.path.relpath(rel, root)).rstrip("/.")
+    base = os.path.join(here or point, "composer_jax_sandbox")
+    try:
+      os.makedirs(base, exist_ok=True)
+      if fstype == "cgroup2":
+        with open(os.path.join(base, "cgroup.subtree_control"), "w") as f:
+          f.write("+pids")
+      _sweep_stale(base)
+      probe = _make_call_cgroup(base, 8)
+      if probe:
+        _remove_cgroup(probe)
+        return base
+    except OSError:
+      continue
+  return None
+
+
+def _make_call_cgroup(base: str, max_procs: int) -> str | None:
+  path = os.path.join(base, f"{os.getpid()}-{next(_CALLS)}")
+  try:
+    os.mkdir(path)
+    with open(os.path.join(path, "pids.max"), "w") as f:
+      f.write(str(max_procs) if max_procs > 0 else "max")
+    return path
+  except OSError:
+    _remove_cgroup(path)
+    return None
+
+
+def _cgroup_pids(path: str) -> list[int]:
+  try:
+    with open(os.path.join(path, "cgroup.procs")) as f:
+      return [int(x) for x in f.read().split()]
+  except (OSError, ValueError):
+    return []
+
+
+def _kill_cgroup(path: str) -> None:
+  """SIGKILL every process in the call's cgroup until none is left (the pids cap bounds a race)."""
+  for _ in range(200):
+    pids = _cgroup_pids(path)
+    if not pids:
+      return
+    for pid in pids:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
+    time.sleep(0.001)
+
+
+def _remove_cgroup(path: str) -> None:
+  for _ in range(50):
+    try:
+      os.rmdir(path)
+      return
+    except FileNotFoundError:
+      return
+    except OSError:  # busy while a killed process is still exiting
+      time.sleep(0.005)
+
+
+def _sweep_stale(base: str) -> None:
+  """Remove call cgroups left by processes that died before cleaning up."""
+  for name in os.listdir(base):
+    owner = name.split("-")[0]
+    if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+      _kill_cgroup(os.path.join(base, name))
+      _remove_cgroup(os.path.join(base, name))
+
+
+def _kill_marked(marker: bytes) -> None:
+  """Fallback without a cgroup: kill processes whose environment carries this call's marker."""
+  me = os.getpid()
+  for name in os.listdir("/proc"):
+    if not name.isdigit() or int(name) == me:
+      continue
+    try:
+      with open(f"/proc/{name}/environ", "rb") as f:
+        if marker in f.read().split(b"\0"):
+          os.kill(int(name), signal.SIGKILL)
+    except (OSError, ValueError):
+      continue
+
+
+def _kill_group(pgid: int) -> None:
+  try:
+    os.killpg(pgid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass
+
+
+def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
+  """Wait until the process exits WITHOUT reaping it (the zombie keeps its pid and process group
+  reserved, so the group can be killed safely afterwards). False on timeout."""
+  try:
+    fd = os.pidfd_open(proc.pid)
+  except (AttributeError, OSError):
+    try:
+      proc.wait(timeout=timeout)
+      return True
+    except subprocess.TimeoutExpired:
+      return False
+  try:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0, int(timeout * 1000))))
+  finally:
+    os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------
+# The sandbox
+# --------------------------------------------------------------------------------------------------
+
+
 class Sandbox:
   """Runs commands inside ``workspace``.
 
-  ``binds`` are extra read-write host paths (e.g. a report directory); ``hide`` are host paths made
-  empty inside (task stores, installed copies of the package under test); ``network`` keeps the host
-  network (only for set-up commands that install dependencies).
+  ``binds`` are extra read-write host paths (e.g. a report directory); ``ro_binds`` read-only ones
+  (the task's environment); ``hide`` are host paths made empty inside (task stores, installed copies
+  of the package under test); ``network`` keeps the host network (only for set-up commands that
+  install dependencies). ``model_driven=True`` refuses to run without bubblewrap, whatever ``mode``.
   """
 
   def __init__(self, workspace: str, limits: Limits = Limits(), mode: str = "auto",
                binds: Sequence[str] = (), hide: Sequence[str] = (), network: bool = False,
-               env: dict | None = None):
+               env: dict | None = None, ro_binds: Sequence[str] = (), model_driven: bool = False):
     if mode not in ("auto", "required", "off"):
       raise SandboxError(f"env.sandbox={mode!r}: choose auto, required or off")
     self.workspace = os.path.realpath(workspace)
@@ -160,31 +437,43 @@ class Sandbox:
       raise SandboxError(f"workspace {workspace!r} is not a directory: pass an existing directory")
     self.limits = limits
     self.binds = [os.path.realpath(b) for b in binds]
+    self.ro_binds = [os.path.realpath(b) for b in ro_binds if os.path.exists(b)]
     self.hide = [os.path.realpath(h) for h in hide if os.path.exists(h)]
     self.network = network
     self.extra_env = dict(env or {})
     self.use_bwrap = False
+    if model_driven:
+      mode = require_isolation(mode, "a model-driven sandbox")
     if mode != "off":
       if bwrap_available():
         self.use_bwrap = True
       elif mode == "required":
-        raise SandboxError("env.sandbox=required but bubblewrap cannot run here: "
-                           "install it (apt-get install -y bubblewrap) or set env.sandbox=auto")
+        raise SandboxError(f"env.sandbox=required but bubblewrap cannot run here: {INSTALL_HINT}, "
+                           "or set env.sandbox=auto (scripted policies only)")
       else:
         _warn_fallback()
 
-  def _env(self, extra: dict | None) -> dict:
+  @staticmethod
+  def which(name: str) -> str | None:
+    """Where ``name`` is found on the sandbox's ``PATH`` (host shims such as pyenv's are not on it)."""
+    return shutil.which(name, path=search_path())
+
+  def _env(self, extra: dict | None, home: str, tmp: str, marker: str) -> dict:
     env = {
-        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-        "HOME": "/tmp" if self.use_bwrap else tempfile.gettempdir(),
+        "PATH": search_path(),
+        "HOME": home,
+        "TMPDIR": tmp,
+        "USER": "sandbox",
+        "LOGNAME": "sandbox",
         "LANG": "C.UTF-8",
         "PYTHONDONTWRITEBYTECODE": "1",  # no bytecode left for a later agent to decompile
         "PYTHONHASHSEED": "0",
         "TERM": "dumb",
         "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        "COMPOSER_JAX_SANDBOX_CALL": marker,
     }
-    if "PYENV_VERSION" in os.environ:
-      env["PYENV_VERSION"] = os.environ["PYENV_VERSION"]
+    if _user_site():
+      env["PYTHONUSERBASE"] = site.getuserbase()
     env.update(self.extra_env)
     env.update(extra or {})
     return env
@@ -193,18 +482,20 @@ class Sandbox:
     if not self.use_bwrap:
       return cmd
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-            "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
-    # An interpreter or virtualenv living under /tmp (hidden by the tmpfs above) stays usable.
-    for prefix in sorted({sys.prefix, sys.base_prefix, sys.exec_prefix}):
-      if prefix == "/tmp" or prefix.startswith("/tmp/"):
-        argv += ["--ro-bind", prefix, prefix]
+            *_system_args(self.network), "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+            "--dir", "/tmp/home", *_interpreter_args()]
     if self.network:
       argv += ["--share-net"]
-    for h in self.hide:  # before the binds, so a bound workspace under a hidden store stays visible
-      argv += (["--tmpfs", h] if os.path.isdir(h) else ["--ro-bind", "/dev/null", h])
-    argv += ["--bind", self.workspace, self.workspace]
-    for b in self.binds:
-      argv += ["--bind", b, b]
+    # Parents before children, so the most specific mount wins: a hidden store above a workspace
+    # leaves the workspace visible, a hidden copy inside site-packages or the workspace stays empty.
+    mounts = [(p, 0, ["--ro-bind", p, p]) for p in self.ro_binds]
+    mounts += [(p, 0, ["--bind", p, p]) for p in [self.workspace, *self.binds]]
+    visible = [*interpreter_paths(), *self.ro_binds, self.workspace, *self.binds, *_SYSTEM_DIRS]
+    for h in self.hide:  # a path outside every visible mount does not exist inside anyway
+      if _under(h, visible):
+        mounts.append((h, 1, ["--tmpfs", h] if os.path.isdir(h) else ["--ro-bind", "/dev/null", h]))
+    for _, _, args in sorted(mounts, key=lambda m: (m[0].rstrip("/").count("/"), m[1])):
+      argv += args
     argv += ["--chdir", cwd, "--"]
     return argv + cmd
 
@@ -218,25 +509,33 @@ class Sandbox:
     limits = dataclasses.replace(self.limits, timeout_s=timeout)
     t0 = time.perf_counter()
     timed_out = False
+    marker = f"{os.getpid()}-{next(_CALLS)}-{os.urandom(4).hex()}"
+    # Without bwrap, HOME and TMPDIR are a fresh folder removed after the call (best effort).
+    private = None if self.use_bwrap else tempfile.mkdtemp(prefix="cj-sb-")
+    home, tmp = ("/tmp/home", "/tmp") if self.use_bwrap else (private, private)
+    base = _cgroup_base()
+    cgroup = _make_call_cgroup(base, limits.max_procs) if base else None
     # Output goes to an unlinked file (bounded by RLIMIT_FSIZE), not a pipe a flood could stall.
     with tempfile.TemporaryFile() as out:
       try:
         argv = self._argv(cmd, cwd)
-        prefix = _limit_prefix(limits)
+        limit_prefix = _limit_prefix(limits)
+        prefix = limit_prefix
+        if cgroup:  # the first process moves itself into the call's cgroup before anything runs
+          prefix = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', cgroup] + prefix
         # With util-linux's prlimit/setarch there is no preexec_fn, so Python can vfork: a fork of a
         # big parent (an RL worker holding a model) is what makes a sandboxed call slow.
         proc = subprocess.Popen(prefix + argv, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=subprocess.STDOUT, cwd=cwd, env=self._env(env),
-                                start_new_session=True,
-                                preexec_fn=None if prefix else _set_limits(limits))
+                                stderr=subprocess.STDOUT, cwd=cwd,
+                                env=self._env(env, home, tmp, marker), start_new_session=True,
+                                preexec_fn=None if limit_prefix else _set_limits(limits))
       except OSError as e:
+        self._cleanup(None, cgroup, private, marker)
         return ExecResult(127, f"cannot start command: {e}", False, False, 0.0, self.use_bwrap)
-      try:
-        code = proc.wait(timeout=timeout)
-      except subprocess.TimeoutExpired:
+      if not _wait_exit(proc, timeout):
         timed_out = True
-        _kill_group(proc)
-        code = 124
+      self._cleanup(proc, cgroup, private, marker)
+      code = 124 if timed_out else proc.returncode
       total = out.seek(0, os.SEEK_END)
       out.seek(0)
       cap = max(max_chars, 1 << 12)
@@ -254,17 +553,25 @@ class Sandbox:
     return ExecResult(code, text, timed_out, clipped, time.perf_counter() - t0,
                       self.use_bwrap)
 
-
-def _kill_group(proc: subprocess.Popen) -> None:
-  try:
-    os.killpg(proc.pid, signal.SIGKILL)
-  except (ProcessLookupError, PermissionError):
-    pass
-  try:
-    proc.wait(timeout=5)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-    proc.wait()
+  def _cleanup(self, proc: subprocess.Popen | None, cgroup: str | None, private: str | None,
+               marker: str) -> None:
+    """Nothing outlives the call: the group first (its leader is still an unreaped zombie, or alive
+    on a timeout, so the id cannot have been reused), then reap, then whatever is left in the
+    cgroup or, in the fallback without one, marked strays; last the private folder."""
+    if proc is not None:
+      _kill_group(proc.pid)
+      try:
+        proc.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if cgroup:
+      _kill_cgroup(cgroup)
+      _remove_cgroup(cgroup)
+    elif not self.use_bwrap:
+      _kill_marked(f"COMPOSER_JAX_SANDBOX_CALL={marker}".encode())
+    if private:
+      shutil.rmtree(private, ignore_errors=True)
 
 
 def _warn_fallback() -> None:
@@ -273,6 +580,7 @@ def _warn_fallback() -> None:
     _WARNED = True
     bar = "!" * 78
     print(f"{bar}\nWARNING: bubblewrap (bwrap) cannot run here; commands run with rlimits ONLY — no\n"
-          "namespace isolation, the network and the whole file system are reachable. Install it\n"
+          "namespace isolation, the network and the whole file system are reachable. Only scripted\n"
+          "policies and trusted set-up may run like this; model-driven runs refuse. Install it\n"
           f"(apt-get install -y bubblewrap) or set env.sandbox=required to refuse.\n{bar}",
           file=sys.stderr)

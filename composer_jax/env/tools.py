@@ -254,7 +254,7 @@ class ToolBox:
 
   def _tool_lint(self, path: str | None = None) -> str:
     full = self._resolve(path)
-    ruff = shutil.which("ruff")
+    ruff = getattr(self.sandbox, "which", shutil.which)("ruff")  # a host shim is not visible inside
     cmd = ([ruff] if ruff else ["python", "-m", "ruff"]) + [
         "check", "--no-cache", "--output-format", "concise", "--isolated", "--select", "E9,F",
         os.path.relpath(full, self.root)]
