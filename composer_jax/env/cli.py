@@ -10,20 +10,25 @@ import sys
 from composer_jax.config import ConfigError, load_config
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, positional: bool = True) -> None:
   p.add_argument("--config", default=None, help="YAML config (env section)")
-  p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                 help="override a config field, e.g. env.sandbox=required")
+  p.add_argument("--set", dest="set_overrides", action="append", default=[], metavar="KEY=VALUE",
+                 help="same as a positional override (kept for old scripts)")
+  if positional:  # `sandbox exec` takes its overrides before `--` (its command is a REMAINDER)
+    p.add_argument("overrides", nargs="*", default=[], metavar="section.key=value",
+                   help="override a config field, e.g. env.sandbox=required")
 
 
 def register(subparsers) -> None:
   sb = subparsers.add_parser("sandbox", help="run commands the way the agent's terminal tool does")
   sbsub = sb.add_subparsers(dest="sandbox_command", required=True)
-  ex = sbsub.add_parser("exec", help="run one command in the sandbox: exec --workspace DIR -- CMD ...")
+  ex = sbsub.add_parser("exec", help="run one command in the sandbox: "
+                        "exec --workspace DIR [section.key=value ...] -- CMD ...")
   ex.add_argument("--workspace", required=True, help="directory bound read-write as the workspace")
   ex.add_argument("--timeout", type=float, default=None, help="seconds (default env.timeout_s)")
-  _common(ex)
-  ex.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
+  _common(ex, positional=False)
+  ex.add_argument("cmd", nargs=argparse.REMAINDER,
+                  help="overrides (section.key=value), then -- and the command and its arguments")
   ex.set_defaults(func=_sandbox_exec)
 
   tasks = subparsers.add_parser("tasks", help="generate, set up and grade coding tasks")
@@ -52,7 +57,18 @@ def register(subparsers) -> None:
 
 
 def _env_cfg(args):
-  return load_config(args.config, args.overrides).env
+  return load_config(args.config, [*args.set_overrides, *getattr(args, "overrides", [])]).env
+
+
+def _split_overrides(cmd: list[str]) -> tuple[list[str], list[str]]:
+  """``a.b=1 c.d=2 -- CMD ...`` -> (overrides, command); without ``--``, leading ``a.b=...`` words."""
+  if "--" in cmd:
+    i = cmd.index("--")
+    return cmd[:i], cmd[i + 1:]
+  n = 0
+  while n < len(cmd) and "=" in cmd[n] and "." in cmd[n].split("=", 1)[0]:
+    n += 1
+  return cmd[:n], cmd[n:]
 
 
 def _limits(env, timeout=None):
@@ -64,9 +80,7 @@ def _limits(env, timeout=None):
 
 def _sandbox_exec(args) -> int:
   from composer_jax.env.sandbox import Sandbox, SandboxError
-  cmd = list(args.cmd)
-  if cmd and cmd[0] == "--":
-    cmd = cmd[1:]
+  args.overrides, cmd = _split_overrides(list(args.cmd))
   if not cmd:
     raise ConfigError("sandbox exec: no command given; write it after --, e.g. -- python -V")
   if not os.path.isdir(args.workspace):
