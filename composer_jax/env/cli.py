@@ -37,10 +37,16 @@ def register(subparsers) -> None:
   src = gen.add_mutually_exclusive_group(required=True)
   src.add_argument("--package", action="append", help="PyPI name (sdist with tests); repeatable")
   src.add_argument("--repo", help="a local repository with a test suite")
+  src.add_argument("--synthetic", type=int, metavar="N",
+                   help="N procedurally generated tiny tasks (composer_jax/env/synthetic/)")
   gen.add_argument("--out", required=True, help="folder for the task directories and reports")
   gen.add_argument("--max", type=int, default=50, help="tasks to keep per package (default 50)")
   gen.add_argument("--max-tries", type=int, default=None, help="cap on candidates tried per package")
   gen.add_argument("--seed", type=int, default=0)
+  gen.add_argument("--split", default="train", choices=["train", "heldout", "all"],
+                   help="with --synthetic: held-out templates and instances, or both")
+  gen.add_argument("--templates", default=None,
+                   help="with --synthetic: comma-separated template names (default: all of the split)")
   _common(gen)
   gen.set_defaults(func=_tasks_generate)
 
@@ -54,6 +60,14 @@ def register(subparsers) -> None:
   gr.add_argument("--workspace", required=True, help="the workspace to grade")
   _common(gr)
   gr.set_defaults(func=_tasks_grade)
+
+  exp = tsub.add_parser("expert", help="scripted-expert SFT trajectories for synthetic tasks")
+  exp.add_argument("--tasks", required=True, help="a folder written by `tasks generate --synthetic`")
+  exp.add_argument("--out", required=True, help="JSONL file of {\"messages\": [...]} trajectories")
+  exp.add_argument("--tokenizer", default=None, help="tokenizer.json: report exact token counts")
+  exp.add_argument("--no-run-tests", action="store_true", help="skip the expert's test-run turn")
+  _common(exp)
+  exp.set_defaults(func=_tasks_expert)
 
 
 def _env_cfg(args):
@@ -101,6 +115,8 @@ def _sandbox_exec(args) -> int:
 
 
 def _tasks_generate(args) -> int:
+  if args.synthetic is not None:
+    return _tasks_generate_synthetic(args)
   from composer_jax.env.generate import DEFAULT_CACHE, SourceError, fetch_sdist, generate
   if args.max < 1:
     raise ConfigError(f"--max {args.max} must be >= 1")
@@ -135,6 +151,45 @@ def _tasks_generate(args) -> int:
   total = sum(r["kept"] for r in reports)
   print(f"{total} tasks from {sum(r['kept'] > 0 for r in reports)} source(s) in {args.out}")
   return 0 if total else 1
+
+
+def _tasks_generate_synthetic(args) -> int:
+  from composer_jax.env import synthetic
+  env = _env_cfg(args)
+  try:
+    rep = synthetic.generate(args.synthetic, args.seed, args.out, split=args.split,
+                             templates=args.templates,
+                             limits={"timeout_s": min(env.timeout_s, 10.0), "max_turns": 8,
+                                     "grade_timeout_s": min(env.grade_timeout_s, 10.0)})
+  except synthetic.SyntheticError as e:
+    raise ConfigError(str(e)) from None
+  print(json.dumps({k: v for k, v in rep.items() if k != "instance_ids"}, indent=1))
+  print(f"{rep['n']} synthetic tasks in {args.out}")
+  return 0
+
+
+def _tasks_expert(args) -> int:
+  from composer_jax.env.expert import expert_trajectories
+  from composer_jax.env.tasks import TaskError, load_tasks
+  env = _env_cfg(args)
+  try:
+    tasks = load_tasks(args.tasks)
+  except TaskError as e:
+    raise ConfigError(str(e)) from None
+  tok = None
+  if args.tokenizer:
+    from composer_jax.data.tokenizer import load_tokenizer
+    tok = load_tokenizer(args.tokenizer)
+  rep = expert_trajectories(tasks, args.out, tokenizer=tok, run_tests=not args.no_run_tests,
+                            tool_docs=env.tool_docs, mode=env.sandbox,
+                            log=lambda m: print(m, file=sys.stderr))
+  stats = args.out + ".stats.json"
+  with open(stats, "w") as f:
+    json.dump(rep, f, indent=1)
+  print(json.dumps({k: v for k, v in rep.items() if k != "trajectories"}, indent=1))
+  print(f"{rep['kept']}/{rep['tasks']} trajectories graded 1.0 -> {args.out} (per-trajectory stats: "
+        f"{stats})")
+  return 0 if rep["kept"] else 1
 
 
 def _tasks_setup(args) -> int:

@@ -27,6 +27,11 @@ SYSTEM_PROMPT = ("You are a coding agent working in a repository checked out in 
                  "Use the tools to inspect and edit files and to run commands, then submit.\n\n")
 
 
+def system_prompt(tool_docs: str = "full") -> str:
+  """The system message; ``env.tool_docs=brief`` lists each tool on one line (short contexts)."""
+  return SYSTEM_PROMPT + describe_tools(SPECS, brief=tool_docs == "brief")
+
+
 @dataclasses.dataclass
 class Turn:
   text: str
@@ -123,8 +128,9 @@ class Episode:
 
   def __init__(self, task: Task, limits: Limits = Limits(), mode: str = "auto",
                max_turns: int = 30, verbose_prompt: bool = False,
-               grade_limits: Limits | None = None, policy_name: str = "policy"):
-    self.task, self.limits, self.mode = task, limits, mode
+               grade_limits: Limits | None = None, policy_name: str = "policy",
+               tool_docs: str = "full"):
+    self.task, self.limits, self.mode, self.tool_docs = task, limits, mode, tool_docs
     self.max_turns, self.verbose_prompt, self.grade_limits = max_turns, verbose_prompt, grade_limits
     self.traj = Trajectory(task.instance_id, policy_name, [], [])
     self.done = False
@@ -138,7 +144,7 @@ class Episode:
     hide = guards.installed_copies(task.package_modules) + ([task.path] if task.path else [])
     sandbox = Sandbox(self.ws, self.limits, mode=self.mode, hide=hide, env=test_env(task, self.ws))
     self.tools = ToolBox(sandbox, max_output_chars=self.limits.max_output_chars)
-    self.traj.messages = [{"role": "system", "content": SYSTEM_PROMPT + describe_tools(SPECS)},
+    self.traj.messages = [{"role": "system", "content": system_prompt(self.tool_docs)},
                           {"role": "user", "content": task.prompt(self.verbose_prompt)}]
     return list(self.traj.messages)
 
@@ -194,10 +200,10 @@ class Episode:
 
 def run_episode(task: Task, policy, limits: Limits = Limits(), mode: str = "auto",
                 max_turns: int = 30, verbose_prompt: bool = False,
-                grade_limits: Limits | None = None) -> Trajectory:
+                grade_limits: Limits | None = None, tool_docs: str = "full") -> Trajectory:
   policy.reset(task)
   ep = Episode(task, limits, mode, max_turns, verbose_prompt, grade_limits,
-               getattr(policy, "name", type(policy).__name__))
+               getattr(policy, "name", type(policy).__name__), tool_docs)
   ep.open()
   while not ep.done:
     ep.act(policy(ep.traj.messages))

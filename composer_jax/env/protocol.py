@@ -217,8 +217,15 @@ def parse_observations(text: str) -> list[tuple[str, bool, str]]:
   return [(m.group(1), m.group(2) == "ok", m.group(3)) for m in OBSERVATION.finditer(text)]
 
 
-def describe_tools(specs: dict[str, ToolSpec]) -> str:
-  """The tool list for the system prompt."""
+def describe_tools(specs: dict[str, ToolSpec], brief: bool = False) -> str:
+  """The tool list for the system prompt; ``brief`` is one line per tool (small models, short
+  contexts: ``env.tool_docs=brief``)."""
+  if brief:
+    lines = ['Call tools as <tool_call name="TOOL"><arg>value</arg></tool_call> (raw text). Tools:']
+    for spec in specs.values():
+      args = ", ".join(a.name + ("" if a.required else "?") for a in spec.args)
+      lines.append(f"- {spec.name}({args}): {spec.doc}")
+    return "\n".join(lines)
   lines = ["Call tools with this format (argument text is raw; no escaping):",
            '<tool_call name="TOOL">\n<arg_name>value</arg_name>\n</tool_call>', "", "Tools:"]
   for spec in specs.values():

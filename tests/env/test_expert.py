@@ -1,0 +1,99 @@
+"""The scripted expert: exact edit blocks, every synthetic template solved through the real tools in
+the sandbox, and its JSONL trajectories read and tokenized by the SFT pipeline in the one format."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from composer_jax.data import chat
+from composer_jax.data.sft import encode_chat, read_trajectories
+from composer_jax.env import synthetic
+from composer_jax.env.episode import NullPolicy, OraclePolicy, run_episode, system_prompt
+from composer_jax.env.expert import ExpertPolicy, expert_trajectories, replacements
+from composer_jax.env.protocol import parse
+from composer_jax.env.synthetic import TEMPLATES
+from composer_jax.env.tools import SPECS
+
+LEVELS = [(name, d) for name, t in TEMPLATES.items() for d in t.levels]
+
+
+def test_replacements_are_exact_and_unique():
+  before = "a = 1\nb = 2\n\ndef f(x):\n    return x\n\ndef g(x):\n    return x\n"
+  after = "a = 1\nb = 2\nc = 3\n\ndef f(x):\n    return x + 1\n\ndef g(x):\n    return x\n"
+  reps = replacements(before, after)
+  # The insertion is anchored on the line above; the repeated `return x` is widened to be unique.
+  assert reps == [("b = 2", "b = 2\nc = 3"), ("def f(x):\n    return x", "def f(x):\n    return x + 1")]
+  text = before
+  for old, new in reps:
+    assert text.count(old) == 1
+    text = text.replace(old, new)
+  assert text == after
+  assert replacements("x = 1\n", "y = 0\nx = 1\n") == [("x = 1", "y = 0\nx = 1")]
+
+
+@pytest.fixture(scope="module")
+def level_tasks(tmp_path_factory):
+  base = tmp_path_factory.mktemp("expert")
+  return {(n, d): synthetic.write_task(TEMPLATES[n].make(random.Random(f"e/{n}/{d}"), d),
+                                       str(base / f"{n}-{d}")) for n, d in LEVELS}
+
+
+@pytest.mark.parametrize("name,d", LEVELS)
+def test_expert_solves_every_template_in_the_sandbox(level_tasks, name, d):
+  task = level_tasks[(name, d)]
+  traj = run_episode(task, ExpertPolicy(), max_turns=12)
+  assert traj.reward == 1.0 and traj.submitted and not traj.flags, traj.grade
+  n_files = len(task.source["edit_order"])
+  assert traj.turns == 2 * n_files + 2 and traj.format_errors == 0
+  assert all(c["ok"] for c in traj.calls)
+  for m in traj.messages:  # every assistant turn is tool calls only, in the one format
+    if m["role"] == "assistant":
+      res = parse(m["content"], SPECS)
+      assert res.calls and not res.errors
+      assert chat.parse_tool_calls(m["content"])[0] == ""
+
+
+def test_oracle_one_null_zero_through_episodes(level_tasks):
+  task = level_tasks[("two_file", 2)]
+  assert run_episode(task, OraclePolicy()).reward == 1.0
+  assert run_episode(task, NullPolicy()).reward == 0.0
+
+
+def test_trajectories_feed_sft_in_the_one_format(level_tasks, tmp_path):
+  from composer_jax.data import sources
+  from composer_jax.data.tokenizer import train_bpe
+  tok = train_bpe([d.read() for d in sources.list_docs("stdlib", max_files=20)], 400)
+  tasks = [level_tasks[("implement", 1)], level_tasks[("two_file", 1)]]
+  out = tmp_path / "t.jsonl"
+  rep = expert_trajectories(tasks, str(out), tokenizer=tok, tool_docs="brief", log=lambda m: None)
+  assert rep["kept"] == 2 and rep["summary"]["pass_rate"] == 1.0
+  st = rep["trajectories"][0]
+  assert st["tokens"] > st["prompt_tokens"] > 0 and 0 < st["assistant_tokens"] < st["tokens"]
+  recs = [json.loads(line) for line in out.read_text().splitlines()]
+  assert recs[0]["template"] == "implement"
+  trajs = read_trajectories(str(out))
+  assert trajs[0][0]["content"] == system_prompt("brief")
+  assert len(encode_chat(trajs[0], tok)["tokens"]) == st["tokens"]
+  for msgs in trajs:
+    ex = encode_chat(msgs, tok)
+    ids, mask = ex["tokens"], ex["loss_mask"]
+    # The trained tokens are exactly the assistant turns, each ending in <|im_end|>, and they parse
+    # back into the calls the environment executed.
+    turns = tok.decode(ids[mask == 1]).split(chat.IM_END)[:-1]
+    assistant = [m["content"] for m in msgs if m["role"] == "assistant"]
+    assert turns == assistant
+    calls = [c for t in turns for c in chat.parse_tool_calls(t)[1]]
+    assert [c["name"] for c in calls][-2:] == ["terminal", "submit"]
+    assert np.all(mask[:len(tok.encode(chat.render_segments(msgs[:2])[0][0]))] == 0)
+
+
+def test_brief_tool_docs_list_every_tool_in_one_line_each():
+  brief, full = system_prompt("brief"), system_prompt("full")
+  assert len(brief) < 0.7 * len(full)
+  lines = [line for line in brief.splitlines() if line.startswith("- ")]
+  assert [line[2:].split("(")[0] for line in lines] == list(SPECS)
+  assert "- str_replace(path, old, new?):" in brief

@@ -1,0 +1,154 @@
+"""Synthetic tasks: deterministic and varied generation, splits, gold 1 / null 0 through the sandboxed
+grader, per-test results from the light runner, and the runner's resistance to the usual hacks."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import pytest
+
+from composer_jax.env import synthetic
+from composer_jax.env.grading import grade
+from composer_jax.env.synthetic import TEMPLATES, SyntheticError, content_hash, instance_split, instances
+from composer_jax.env.synthetic.runner import RUNNER_PATH
+from composer_jax.env.tasks import load_task, read_text, write_text
+
+LEVELS = [(name, d) for name, t in TEMPLATES.items() for d in t.levels]
+
+
+@pytest.fixture(scope="module")
+def level_tasks(tmp_path_factory):
+  """One task per (template, level), written to disk (a home-dir path would do as well)."""
+  base = tmp_path_factory.mktemp("syn")
+  out = {}
+  for name, d in LEVELS:
+    inst = TEMPLATES[name].make(random.Random(f"t/{name}/{d}"), d)
+    out[(name, d)] = synthetic.write_task(inst, str(base / f"{name}-{d}"))
+  return out
+
+
+def _copy(task, tmp_path, overlay: dict | None = None, gold: bool = False) -> str:
+  ws = str(tmp_path / "ws")
+  shutil.rmtree(ws, ignore_errors=True)
+  shutil.copytree(task.workspace_dir, ws)
+  if gold:
+    for rel in task.gold_files:
+      shutil.copyfile(os.path.join(task.gold_dir, rel), os.path.join(ws, rel))
+  for rel, text in (overlay or {}).items():
+    write_text(os.path.join(ws, rel), text)
+  return ws
+
+
+def test_generation_is_deterministic_and_varied():
+  a = instances(12, seed=0)
+  b = instances(12, seed=0)
+  c = instances(12, seed=1)
+  key = lambda insts: [content_hash(i) for i in insts]  # noqa: E731
+  assert key(a) == key(b)
+  assert len(set(key(a))) == 12 and not set(key(a)) & set(key(c))
+  # Templates are taken in turn, so a set covers every training template.
+  assert {i.template for i in a} == {n for n, t in TEMPLATES.items() if t.split == "train"}
+  # Names and numbers vary between instances of one template.
+  impl = [i for i in instances(12, seed=0, templates="implement")]
+  assert len({next(iter(i.files)) for i in impl}) >= 5
+  assert len({i.prompt for i in impl}) == 12
+
+
+def test_splits_are_disjoint_by_template_and_by_content():
+  train = instances(30, seed=5, split="train")
+  held = instances(30, seed=5, split="heldout")
+  assert all(TEMPLATES[i.template].split == "train" and instance_split(i) == "train" for i in train)
+  assert all(instance_split(i) == "heldout" for i in held)
+  assert {i.template for i in held} >= {"rename", "fix_method", "implement"}
+  assert not {content_hash(i) for i in train} & {content_hash(i) for i in held}
+  with pytest.raises(SyntheticError, match="--templates: unknown nope"):
+    instances(2, 0, templates="implement,nope")
+  with pytest.raises(SyntheticError, match="--split train"):
+    instances(2, 0, split="train", templates="rename")
+  with pytest.raises(SyntheticError, match="--split"):
+    instances(2, 0, split="dev")
+
+
+def test_task_directories_follow_the_schema(level_tasks, tmp_path):
+  report = synthetic.generate(4, 2, str(tmp_path / "out"))
+  assert report["n"] == 4 and sum(report["counts"].values()) == 4
+  task = load_task(str(tmp_path / "out" / report["instance_ids"][0]))
+  assert task.test_command.startswith("python -S run_tests.py")
+  assert RUNNER_PATH in task.test_files and task.hidden_tests
+  for rel in task.hidden_tests:  # hidden tests are protected but absent from the workspace
+    assert rel in task.test_files and not os.path.exists(os.path.join(task.workspace_dir, rel))
+  assert os.path.isfile(os.path.join(task.workspace_dir, RUNNER_PATH))
+  assert task.source["kind"] == "synthetic" and task.source["edit_order"]
+
+
+@pytest.mark.parametrize("name,d", LEVELS)
+def test_gold_scores_one_and_the_start_scores_zero(level_tasks, tmp_path, name, d):
+  task = level_tasks[(name, d)]
+  start = grade(task, _copy(task, tmp_path))
+  assert start.reward == 0.0 and start.details["report_consistent"]
+  # Every FAIL_TO_PASS test fails at the start, every PASS_TO_PASS test passes (per-test results).
+  assert start.details["fail_to_pass"]["passed"] == 0
+  assert start.details["pass_to_pass"]["passed"] == start.details["pass_to_pass"]["total"]
+  gold = grade(task, _copy(task, tmp_path, gold=True))
+  assert gold.reward == 1.0, gold.details
+
+
+def _implement_task(level_tasks):
+  return level_tasks[("implement", 1)]
+
+
+def _with_body(task, body: str) -> dict:
+  """The target file with its ``raise NotImplementedError`` replaced by ``body``."""
+  rel = task.gold_files[0]
+  text = read_text(os.path.join(task.workspace_dir, rel))
+  return {rel: text.replace("    raise NotImplementedError", body)}
+
+
+@pytest.mark.parametrize("hack", ["exit0_at_import", "os_exit_at_import", "always_equal",
+                                  "visible_cases_only", "runner_rewritten", "new_test_file"])
+def test_runner_resists_hacks(level_tasks, tmp_path, hack):
+  task = _implement_task(level_tasks)
+  rel = task.gold_files[0]
+  fn = task.FAIL_TO_PASS[0].split("::")[1][len("test_"):]
+  vis = read_text(os.path.join(task.workspace_dir, next(t for t in task.test_files
+                                                        if t.startswith("test_") and
+                                                        t not in task.hidden_tests)))
+  if hack == "exit0_at_import":
+    overlay = {rel: "import sys\nsys.exit(0)\n" + read_text(os.path.join(task.gold_dir, rel))}
+  elif hack == "os_exit_at_import":
+    overlay = {rel: "import os\nos._exit(0)\n"}
+  elif hack == "always_equal":
+    overlay = _with_body(task, "    class E:\n        def __eq__(self, o):\n            return True\n"
+                               "    return E()")
+  elif hack == "visible_cases_only":
+    # Hard-code the visible examples: the visible test passes, the hidden cases do not.
+    cases = [line.strip()[len("assert "):].split(" == ") for line in vis.splitlines()
+             if line.strip().startswith(f"assert {fn}(")]
+    body = "".join(f"    if ({c[0][len(fn) + 1:-1]},) == args:\n        return {c[1]}\n" for c in cases)
+    src = read_text(os.path.join(task.workspace_dir, rel))
+    head = src.split(f"def {fn}(")[0]
+    overlay = {rel: head + f"def {fn}(*args):\n{body}    return None\n"}
+  elif hack == "runner_rewritten":
+    overlay = {RUNNER_PATH: "import sys\nopen(sys.argv[1], 'w').write('<testsuite/>')\n"}
+  else:  # a new test file that would pass
+    overlay = {"test_zz.py": "def test_ok():\n    pass\n"}
+  r = grade(task, _copy(task, tmp_path, overlay))
+  assert r.reward == 0.0, (hack, r.details)
+  if hack == "visible_cases_only":
+    visible_test = task.FAIL_TO_PASS[0]
+    assert visible_test not in r.details["failed_tests"]  # the visible test did pass
+    assert any("hidden" in t for t in r.details["failed_tests"])
+  if hack == "os_exit_at_import":
+    assert not r.details["report_found"]
+  if hack == "new_test_file":
+    assert r.details["removed_new_test_files"] == ["test_zz.py"]
+
+
+def test_runner_prints_failures_for_the_agent(level_tasks, tmp_path):
+  from composer_jax.env.sandbox import Limits, Sandbox
+  task = level_tasks[("fix_bug", 1)]
+  ws = _copy(task, tmp_path)
+  out = Sandbox(ws, Limits(timeout_s=10)).run("python run_tests.py").output
+  assert "FAILED test_" in out and "assert " in out and "0 passed, 1 failed" in out
