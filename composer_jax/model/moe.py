@@ -23,7 +23,7 @@ from composer_jax.kernels.gmm_layout import (
   to_blocks,
 )
 from composer_jax.model.layers import MLP, KeySeq, dtype_of, param
-from composer_jax.model.routing import expert_load, route, sequence_aux_loss
+from composer_jax.model.routing import expert_load, route, select_experts, sequence_aux_loss
 from composer_jax.parallel.rules import active, constrain
 
 
@@ -35,6 +35,7 @@ class MoEStats(NamedTuple):
   expert_ids: jax.Array  # [b, s, k] int32 — what the router chose (or was told to use)
   load: jax.Array  # [E] fraction of assignments per expert
   aux_loss: jax.Array  # scalar
+  live_ids: jax.Array | None = None  # [b, s, k] the router's own choice when ids were replayed
 
 
 def sort_by_expert(expert_ids: jax.Array, n_experts: int):
@@ -82,8 +83,8 @@ def dropless_moe(x, expert_ids, weights, w_gate, w_up, w_down, *, impl: str = "a
   return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
 
 
-# Up to this many (token, slot) pairs per call the MoE multiplies each pair by its own gathered
-# expert weights instead of sorting into the grouped-matmul block layout. The layout pads every
+# Up to this many (token, slot) pairs (or E, if more) per call the MoE multiplies each pair by its
+# own gathered expert weights instead of sorting into the grouped-matmul block layout. The layout pads every
 # expert's group to whole blocks (~ceil(m/bm) + E blocks: 2,000+ rows on GPU for one decode step of 8
 # tokens, tens of thousands for K2); the gather reads exactly the m weight matrices it uses. Decode
 # (a few tokens per slot) takes the gather, prefill and training the layout.
@@ -103,7 +104,7 @@ def moe_dispatch(x, expert_ids, weights, w_gate, w_up, w_down, *, impl: str = "a
   """Single-shard routed experts, dispatch chosen by row count (static): few rows -> per-pair
   gathered weights; many -> the sorted grouped matmul. Quantized recipes always take the grouped
   matmul, whose operands are fake-quantized as in training."""
-  limit = GATHER_MAX_PAIRS if max_gather_pairs is None else max_gather_pairs
+  limit = max(GATHER_MAX_PAIRS, w_gate.shape[0]) if max_gather_pairs is None else max_gather_pairs
   if precision == "bf16" and expert_ids.size <= limit:
     return gathered_moe(x, expert_ids, weights, w_gate, w_up, w_down)
   return dropless_moe(x, expert_ids, weights, w_gate, w_up, w_down, impl=impl, precision=precision)
@@ -145,5 +146,9 @@ class MoE(nnx.Module):
       y = y + self.shared(x)
     aux = (sequence_aux_loss(scores, ids, b, cfg, valid) if cfg.seq_aux_loss_coef > 0
            else jnp.zeros((), jnp.float32))
-    return y.astype(x.dtype), MoEStats(ids.reshape(b, s, -1), expert_load(ids, cfg.n_routed_experts), aux)
+    # Under router replay, the router's own choice too (RL's routing-mismatch metric; XLA shares the
+    # selection with the fallback for unrecorded tokens).
+    live = None if replay is None else select_experts(scores, self.router_bias[...], cfg).reshape(b, s, -1)
+    return y.astype(x.dtype), MoEStats(ids.reshape(b, s, -1), expert_load(ids, cfg.n_routed_experts), aux,
+                                       live)
 

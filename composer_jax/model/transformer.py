@@ -29,6 +29,7 @@ class ModelOutput:
   router_loads: jax.Array | None = None  # [n_moe_blocks, E] (main stack, then MTP blocks)
   aux_loss: jax.Array | None = None  # scalar, summed over MoE blocks
   routed_experts: jax.Array | None = None  # [n_moe_layers, b, s, k] when return_routing=True
+  live_routing: jax.Array | None = None  # [n_moe_layers, b, s, k] the router's own choice (replay)
   cache: Any = None  # updated Cache when decoding
   hidden: jax.Array | None = None  # final hidden state before the output norm
 
@@ -114,7 +115,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens, segment_ids=None, positions=None, *, cache: Cache | None = None,
                routed_experts=None, return_routing: bool = False, return_hidden: bool = False,
-               mtp: bool = True, logit_positions=None) -> ModelOutput:
+               mtp: bool = True, logit_positions=None, return_live_routing: bool = False) -> ModelOutput:
     """tokens [b,s] int32. ``segment_ids`` (0 = padding) separate packed documents.
 
     ``routed_experts`` [n_moe_layers, b, s, k] replays recorded router choices (RL); with
@@ -162,7 +163,11 @@ class Transformer(nnx.Module):
     routing = None
     if return_routing and stats:
       routing = jnp.stack([st.expert_ids for st in stats[: cfg.n_moe_layers]])
+    live = None
+    if return_live_routing and stats:
+      main = stats[: cfg.n_moe_layers]
+      live = jnp.stack([st.expert_ids if st.live_ids is None else st.live_ids for st in main])
     return ModelOutput(logits=logits, mtp_logits=tuple(mtp_logits), router_loads=loads,
-                       aux_loss=aux, routed_experts=routing,
+                       aux_loss=aux, routed_experts=routing, live_routing=live,
                        cache=Cache(tuple(new_layers)) if cache is not None else None,
                        hidden=hidden if return_hidden else None)
