@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "composer_jax.train.cli",  # pretrain, extend, sft
     "composer_jax.env.cli",  # sandbox exec, tasks generate / setup / grade
     "composer_jax.eval.cli",  # eval
+    "composer_jax.rl.cli",  # rl
 ]
 
 

@@ -57,6 +57,10 @@ class ModelConfig:
   bias_update_rate: float = 1e-3  # aux-loss-free balancing step size (0 = frozen bias)
   gmm_impl: Literal["auto", "xla", "sorted", "pallas", "interpret"] = "auto"
   gmm_precision: Literal["bf16", "fp8_block", "mxfp8", "nvfp4"] = "bf16"
+  # Training attention (composer_jax/model/attention.py): auto = splash on TPU, Pallas/Triton on GPU,
+  # blockwise (flash-style, pure JAX) elsewhere; dense = the [b, h, s, s] reference.
+  attention_impl: Literal["auto", "dense", "blockwise", "splash", "pallas_gpu", "cudnn"] = "auto"
+  attention_block: int = 512  # sequence tile of the blockwise path and the kernels
   # Positions.
   max_seq_len: int = 128
   rope_theta: float = 10000.0
@@ -136,6 +140,9 @@ class OptimConfig:
   muon_momentum: float = 0.95
   muon_ns_steps: int = 5
   qk_clip: float = 0.0  # MuonClip threshold on max attention logit (0 = off)
+  # Mixed precision: a float32 master copy + float32 optimizer state for narrower (bf16) params;
+  # "none" updates params (and keeps moments) in their own dtype. See train/optim.py.
+  master_dtype: Literal["float32", "none"] = "float32"
 
 
 @dataclass
@@ -172,7 +179,7 @@ class RLConfig:
   num_workers: int = 1
   # Sampling.
   max_new_tokens: int = 256  # per assistant turn
-  max_context: int = 2048  # cache length of one segment (prompt + turns)
+  max_context: int = 0  # cache length of one segment (prompt + turns); 0 = model.max_seq_len
   decode_batch: int = 8  # slots served by one decode batch (continuous batching)
   temperature: float = 1.0
   top_p: float = 1.0
@@ -208,6 +215,9 @@ class RLConfig:
   penalty_unknown_tool: float = 0.05
   penalty_repeated_command: float = 0.02
   penalty_no_call_turn: float = 0.05
+  # Cap on (length + shaping) penalty per episode; < 1 keeps every resolved episode (grade 1) above
+  # every unresolved one (grade 0), so effort is only traded off among equal outcomes.
+  penalty_cap: float = 0.5
   # Targeted textual feedback (Composer 2.5).
   feedback_kl_coef: float = 0.0  # 0 = off
   feedback_topk: int = 0  # teacher distribution: 0 = full vocabulary, else top-k plus a tail bucket
@@ -458,6 +468,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 def from_dict(data: dict) -> Config:
   cfg = _build(Config, data, "")
+  if cfg.rl.max_context == 0:
+    cfg.rl.max_context = cfg.model.max_seq_len
   validate(cfg)
   return cfg
 
@@ -516,6 +528,7 @@ def validate(cfg: Config) -> None:
   _require(m.yarn_factor >= 1.0, f"model.yarn_factor={m.yarn_factor} must be >= 1 (1 = plain RoPE)")
   _require(m.mtp_depths >= 0, "model.mtp_depths must be >= 0")
   _require(m.rms_eps > 0, "model.rms_eps must be positive")
+  _require(m.attention_block > 0, f"model.attention_block={m.attention_block} must be positive")
 
   d = cfg.data
   _require(d.seq_len > 0 and d.batch_size > 0, "data.seq_len and data.batch_size must be positive")
@@ -557,6 +570,31 @@ def validate(cfg: Config) -> None:
            f"data.batch_size={d.batch_size} must be divisible by train.grad_accum={t.grad_accum}")
   _require(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
   _require(cfg.rl.group_size >= 1, "rl.group_size must be >= 1")
+  r = cfg.rl
+  _require(0 <= r.ppo_clip_low < 1, f"rl.ppo_clip_low={r.ppo_clip_low} must be in [0, 1)")
+  _require(r.ppo_clip_high >= 0, f"rl.ppo_clip_high={r.ppo_clip_high} must be >= 0")
+  _require(r.is_clip > 1, f"rl.is_clip={r.is_clip} must be > 1 (the weight cap; 2 is the usual choice)")
+  for name in ("kl_coef", "length_penalty", "length_k", "length_q", "feedback_kl_coef", "max_hints",
+               "penalty_malformed_call", "penalty_unknown_tool", "penalty_repeated_command",
+               "penalty_no_call_turn", "length_w_reasoning", "length_w_tool_call",
+               "length_w_tool_output", "length_w_final", "length_w_calls", "length_w_turns"):
+    _require(getattr(r, name) >= 0, f"rl.{name}={getattr(r, name)} must be >= 0")
+  _require(r.length_ref > 0, f"rl.length_ref={r.length_ref} must be > 0 (the x where the penalty = coef)")
+  _require(0 <= r.penalty_cap < 1, f"rl.penalty_cap={r.penalty_cap} must be in [0, 1) so a resolved "
+           "episode always outscores an unresolved one")
+  _require(r.feedback_topk >= 0, f"rl.feedback_topk={r.feedback_topk} must be >= 0 (0 = full vocabulary)")
+  _require(r.feedback_topk < cfg.model.vocab_size, f"rl.feedback_topk={r.feedback_topk} must be < "
+           f"model.vocab_size={cfg.model.vocab_size} (use 0 for the full vocabulary)")
+  for name in ("steps", "max_summaries", "top_k", "summary_trigger_tokens"):
+    _require(getattr(r, name) >= 0, f"rl.{name}={getattr(r, name)} must be >= 0")
+  for name in ("tasks_per_step", "minibatches", "decode_batch", "max_new_tokens", "num_workers"):
+    _require(getattr(r, name) >= 1, f"rl.{name}={getattr(r, name)} must be >= 1")
+  _require(r.temperature > 0, f"rl.temperature={r.temperature} must be > 0")
+  _require(0 < r.top_p <= 1, f"rl.top_p={r.top_p} must be in (0, 1] (1 = off)")
+  _require(r.max_context <= m.max_seq_len, f"rl.max_context={r.max_context} exceeds model.max_seq_len="
+           f"{m.max_seq_len}: raise model.max_seq_len or lower rl.max_context")
+  _require(r.summary_trigger_tokens < r.max_context, f"rl.summary_trigger_tokens="
+           f"{r.summary_trigger_tokens} must be below rl.max_context={r.max_context} (0 = off)")
   e = cfg.env
   for name in ("timeout_s", "grade_timeout_s", "memory_mb", "max_procs", "max_file_mb", "max_turns",
                "workers", "max_output_chars"):

@@ -11,7 +11,7 @@ from composer_jax.config import ConfigError, load_config
 def register(subparsers) -> None:
   p = subparsers.add_parser("eval", help="run a policy on a task set; pass@k, tokens, a plot")
   p.add_argument("--tasks", required=True, help="folder of task directories (tasks generate --out)")
-  p.add_argument("--policy", required=True, help="oracle | null | a checkpoint path")
+  p.add_argument("--policy", required=True, help="oracle | null | a run directory (model policy)")
   p.add_argument("--samples", type=int, default=None, help="samples per task (default eval.samples)")
   p.add_argument("--out", required=True, help="output folder: summary.json, trajectories, PNG")
   p.add_argument("--limit", type=int, default=None, help="only the first N tasks")
@@ -23,21 +23,28 @@ def register(subparsers) -> None:
 def _eval(args) -> int:
   from composer_jax.env.sandbox import Limits
   from composer_jax.env.tasks import TaskError, load_tasks
-  from composer_jax.eval.harness import PolicyError, make_policy_factory, run_eval
+  from composer_jax.eval.harness import SCRIPTED, PolicyError, make_policy_factory, run_eval
   cfg = load_config(args.config, args.overrides)
   samples = cfg.eval.samples if args.samples is None else args.samples
   if samples < 1:
     raise ConfigError(f"--samples {samples} must be >= 1")
-  try:
-    factory = make_policy_factory(args.policy)
-  except PolicyError as e:
-    raise ConfigError(str(e)) from None
   try:
     tasks = load_tasks(args.tasks)
   except TaskError as e:
     raise ConfigError(str(e)) from None
   if args.limit:
     tasks = tasks[:args.limit]
+  if args.policy not in SCRIPTED:  # a model: the run directory's config, tokenizer and weights
+    from composer_jax.rl.loop import eval_run_dir
+    if not os.path.isdir(args.policy):
+      raise ConfigError(f"--policy {args.policy!r}: give oracle, null or a run directory")
+    summary = eval_run_dir(args.policy, tasks, samples, args.out, args.overrides)
+    print(json.dumps({k: v for k, v in summary.items() if k != "per_task"}, indent=1))
+    return 0
+  try:
+    factory = make_policy_factory(args.policy)
+  except PolicyError as e:
+    raise ConfigError(str(e)) from None
   e = cfg.env
   limits = Limits(timeout_s=e.timeout_s, memory_mb=e.memory_mb, max_procs=e.max_procs,
                   max_file_mb=e.max_file_mb, max_output_chars=e.max_output_chars)

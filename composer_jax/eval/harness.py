@@ -23,11 +23,11 @@ class PolicyError(ValueError):
 
 
 def make_policy_factory(spec: str) -> Callable[[], object]:
-  """``oracle`` | ``null`` | a checkpoint path (model policies need the RL sampler)."""
+  """``oracle`` | ``null`` (model policies run batched through ``rl.loop.eval_run_dir``)."""
   if spec in SCRIPTED:
     return SCRIPTED[spec]
-  raise PolicyError(f"--policy {spec!r}: model policies (checkpoints) arrive with the RL sampler; "
-                    "use --policy oracle or --policy null for now")
+  raise PolicyError(f"--policy {spec!r}: scripted policies are {sorted(SCRIPTED)}; a model policy "
+                    "(a run directory) runs through composer_jax.rl.loop.eval_run_dir")
 
 
 def run_eval(tasks: list[Task], make_policy: Callable[[], object], samples: int, out_dir: str,

@@ -261,7 +261,11 @@ class MetricsLog:
     self.tb.close()
 
 
-def plot_metrics(out_dir: str) -> list[str]:
+PLOT_KEYS = ("loss", "ce", "mtp_ce", "eval_bpb", "grad_norm", "lr", "tokens_per_s",
+             "expert_max_violation")
+
+
+def plot_metrics(out_dir: str, keys: tuple = PLOT_KEYS) -> list[str]:
   """PNG curves from metrics.jsonl, one file per metric (written under plots/)."""
   import matplotlib
   matplotlib.use("Agg")
@@ -280,8 +284,7 @@ def plot_metrics(out_dir: str) -> list[str]:
         series[k][1].append(v)
   os.makedirs(os.path.join(out_dir, "plots"), exist_ok=True)
   written = []
-  for k in ("loss", "ce", "mtp_ce", "eval_bpb", "grad_norm", "lr", "tokens_per_s",
-            "expert_max_violation"):
+  for k in keys:
     if k not in series:
       continue
     fig, ax = plt.subplots(figsize=(5, 3.2))

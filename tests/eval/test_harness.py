@@ -24,12 +24,17 @@ def test_eval_cli_oracle_and_null(demo_tasks, tmp_path):
     assert len(lines) == 2 and json.loads(lines[0])["messages"][0]["role"] == "system"
 
 
-def test_eval_cli_rejects_checkpoint_and_bad_input(demo_tasks, tmp_path, capsys):
+def test_eval_cli_rejects_bad_policy_and_input(demo_tasks, tmp_path, capsys):
   tasks_dir, _ = demo_tasks
   assert main(["eval", "--tasks", tasks_dir, "--policy", str(tmp_path / "ckpt"), "--out",
                str(tmp_path / "o")]) == 2
   err = capsys.readouterr().err
-  assert "arrive with the RL sampler" in err and len(err.strip().splitlines()) == 1
+  assert "give oracle, null or a run directory" in err and len(err.strip().splitlines()) == 1
+  (tmp_path / "not_a_run").mkdir()
+  assert main(["eval", "--tasks", tasks_dir, "--policy", str(tmp_path / "not_a_run"), "--out",
+               str(tmp_path / "o")]) == 2
+  err = capsys.readouterr().err
+  assert "is not a run directory" in err and len(err.strip().splitlines()) == 1
   assert main(["eval", "--tasks", str(tmp_path / "none"), "--policy", "null", "--out",
                str(tmp_path / "o")]) == 2
   assert main(["eval", "--tasks", tasks_dir, "--policy", "null", "--out", str(tmp_path / "o"),

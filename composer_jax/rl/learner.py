@@ -1,0 +1,241 @@
+"""The learner side of RL: rewards and advantages for a batch of rollouts, the padded learner batch,
+the teacher targets of targeted textual feedback, and the RL loss handed to the shared train step.
+
+``make_rl_loss(cfg)`` is a pure ``loss_fn(model, batch, cfg) -> (loss, metrics, out)``: the trainer's
+forward replays the sampler's routed experts (``rl.router_replay``), scores the sampled tokens, and
+applies ``losses.policy_loss`` plus ``rl.feedback_kl_coef`` x ``losses.feedback_kl``. Sharding, the
+optimizer, accumulation, router-bias balancing and checkpoints are those of ``train/step.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from composer_jax.config import Config
+from composer_jax.data import chat
+from composer_jax.env.guards import Flag, is_hack
+from composer_jax.rl import feedback
+from composer_jax.rl.advantages import group_advantages, group_pass_stats
+from composer_jax.rl.losses import feedback_kl, policy_loss, teacher_targets, token_logprobs
+from composer_jax.rl.rewards import episode_reward
+
+# --------------------------------------------------------------------------------------------------
+# Rewards and advantages
+# --------------------------------------------------------------------------------------------------
+
+
+def score_rollouts(rollouts: list, cfg: Config, ks=(1,)) -> dict:
+  """Set each rollout's reward (grade - penalties, hacks zeroed) and return the batch's statistics.
+
+  Rollouts are grouped by ``rollout.group``; every group must hold the same number of rollouts.
+  Returns {"advantages": [n_rollouts] (rollout order), "pass_rate", "pass@k"..., "flagged_hacks"}.
+  """
+  groups: dict[int, list[int]] = {}
+  for i, r in enumerate(rollouts):
+    groups.setdefault(r.group, []).append(i)
+  sizes = {len(v) for v in groups.values()}
+  if len(sizes) != 1:
+    raise ValueError(f"rollout groups have different sizes {sorted(sizes)}")
+  order = list(groups.values())
+  resolved = np.array([[rollouts[i].resolved for i in g] for g in order])
+  hacks = 0
+  for g in order:
+    rate = float(np.mean([rollouts[i].resolved for i in g]))
+    for i in g:
+      r = rollouts[i]
+      hacked = is_hack([Flag(**f) for f in r.traj.flags])
+      hacks += hacked
+      stats = feedback.behaviour_stats(feedback.records_from_messages(r.traj.messages))
+      r.reward, r.parts = episode_reward(r.grade_reward, hacked, {**stats, **r.counts}, rate, cfg.rl)
+      r.parts.update({k: v for k, v in stats.items()})
+  rewards = np.array([[rollouts[i].reward for i in g] for g in order])
+  adv = group_advantages(rewards, cfg.rl.adv_std_norm)
+  flat = np.zeros(len(rollouts))
+  for gi, g in enumerate(order):
+    flat[g] = adv[gi]
+  out = {"advantages": flat, "flagged_hacks": hacks, "reward_mean": float(rewards.mean())}
+  out.update(group_pass_stats(resolved, ks))
+  return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Batches
+# --------------------------------------------------------------------------------------------------
+
+
+def bucket(n: int, cap: int, floor: int = 64) -> int:
+  """Static length for ``n`` tokens: the next power of two (>= floor), never above ``cap``."""
+  return min(max(floor, 1 << max(0, math.ceil(math.log2(max(n, 1))))), cap)
+
+
+@dataclasses.dataclass
+class Row:
+  """One learner row: a segment (or a teacher context) and its per-row scalars."""
+  tokens: np.ndarray
+  experts: np.ndarray
+  loss_mask: np.ndarray | None = None
+  sampler_logp: np.ndarray | None = None
+  advantage: float = 0.0
+
+
+def pack_rows(rows: list[Row], n_rows: int, length: int, n_moe: int, k: int, pad_id: int) -> dict:
+  """Right-padded [n_rows, length] arrays; padding rows and positions have segment id 0."""
+  b = {"tokens": np.full((n_rows, length), pad_id, np.int32),
+       "segment_ids": np.zeros((n_rows, length), np.int32),
+       "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (n_rows, length)).copy(),
+       "loss_mask": np.zeros((n_rows, length), np.float32),
+       "sampler_logp": np.zeros((n_rows, length), np.float32),
+       "advantages": np.zeros((n_rows,), np.float32),
+       "experts": np.full((n_rows, length, max(n_moe, 1), k), -1, np.int32)}
+  for i, r in enumerate(rows):
+    n = min(len(r.tokens), length)
+    b["tokens"][i, :n] = r.tokens[:n]
+    b["segment_ids"][i, :n] = 1
+    if n_moe:
+      b["experts"][i, :n] = r.experts[:n]
+    if r.loss_mask is not None:
+      b["loss_mask"][i, :n] = r.loss_mask[:n]
+      b["sampler_logp"][i, :n] = r.sampler_logp[:n]
+    b["advantages"][i] = r.advantage
+  return b
+
+
+def segment_rows(rollouts: list, advantages) -> tuple[list[Row], list[tuple[int, int]]]:
+  """One row per segment; every segment of an episode carries the episode's advantage (ReSum-GRPO).
+  Also returns (rollout index, segment index) per row."""
+  rows, where = [], []
+  for i, r in enumerate(rollouts):
+    for j, s in enumerate(r.segments):
+      rows.append(Row(s.tokens, s.experts, s.loss_mask.astype(np.float32), s.sampler_logp,
+                      float(advantages[i])))
+      where.append((i, j))
+  return rows, where
+
+
+def row_count(n: int, quantum: int) -> int:
+  return max(quantum, -(-n // quantum) * quantum)
+
+
+# --------------------------------------------------------------------------------------------------
+# Targeted textual feedback: hints -> teacher contexts -> teacher targets on the student rows
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TeacherJob:
+  row: int  # student row in the learner batch
+  start: int  # first student position of the target message's body
+  end: int
+  offset: int  # teacher position = student position + offset
+  tokens: np.ndarray
+  experts: np.ndarray
+  hint: object
+
+
+def feedback_jobs(rollouts: list, where: list[tuple[int, int]], tokenizer, cfg: Config) -> list[TeacherJob]:
+  """Detect hints in each rollout and build the hinted (teacher) context for each target message:
+  the segment up to the target message's header, the hint message, then the message itself."""
+  row_of = {w: i for i, w in enumerate(where)}
+  jobs = []
+  for ri, r in enumerate(rollouts):
+    turns = feedback.records_from_messages(r.traj.messages)
+    r.hints = feedback.detect_hints(turns, r.traj.flags, max_hints=cfg.rl.max_hints)
+    for h in r.hints:
+      span = next((s for s in r.spans if s.env_turn == h.turn_index), None)
+      if span is None or span.body_end <= span.body_start or (ri, span.segment) not in row_of:
+        continue
+      seg = r.segments[span.segment]
+      hint_ids = np.asarray(chat.encode_segments([feedback.hint_message(h)], tokenizer)[0], np.int32)
+      toks = np.concatenate([seg.tokens[:span.header_start], hint_ids,
+                             seg.tokens[span.header_start:span.body_end]])
+      none = np.full((len(hint_ids),) + seg.experts.shape[1:], -1, seg.experts.dtype)
+      exps = np.concatenate([seg.experts[:span.header_start], none,
+                             seg.experts[span.header_start:span.body_end]])
+      if len(toks) > cfg.rl.max_context:
+        continue
+      jobs.append(TeacherJob(row_of[(ri, span.segment)], span.body_start, span.body_end,
+                             len(hint_ids), toks, exps, h))
+  return jobs
+
+
+def attach_teacher(batch: dict, jobs: list[TeacherJob], teacher: dict, topk: int) -> dict:
+  """Write the teacher rows (target-aligned, from ``teacher_fn``) onto the student positions."""
+  n_rows, length = batch["tokens"].shape
+  width = topk if topk > 0 else teacher["logp"].shape[-1]
+  batch["fb_mask"] = np.zeros((n_rows, length), np.float32)
+  batch["fb_logp"] = np.zeros((n_rows, length, width), np.float32)
+  if topk > 0:
+    batch["fb_idx"] = np.zeros((n_rows, length, topk), np.int32)
+    batch["fb_tail"] = np.zeros((n_rows, length), np.float32)
+  for j, job in enumerate(jobs):
+    s = slice(job.start, min(job.end, length))
+    t = slice(job.start + job.offset, min(job.end, length) + job.offset)
+    batch["fb_mask"][job.row, s] = 1.0
+    batch["fb_logp"][job.row, s] = teacher["logp"][j, t]
+    if topk > 0:
+      batch["fb_idx"][job.row, s] = teacher["idx"][j, t]
+      batch["fb_tail"][job.row, s] = teacher["tail_logp"][j, t]
+  return batch
+
+
+def make_teacher_fn(graphdef, cfg: Config):
+  """Jitted teacher forward: target-aligned teacher distributions for every position of a batch."""
+  from flax import nnx
+  rl = cfg.rl
+
+  @jax.jit
+  def teacher(params, rest, tokens, segment_ids, positions, experts):
+    model = nnx.merge(graphdef, params, rest)
+    replay = jnp.moveaxis(experts, 2, 0) if rl.router_replay and cfg.model.n_moe_layers else None
+    out = model(tokens, segment_ids, positions, routed_experts=replay, mtp=False)
+    t = teacher_targets(out.logits, rl.feedback_topk, rl.temperature)
+    # source-aligned (row t predicts t+1) -> target-aligned (row t predicts x_t)
+    return jax.tree.map(lambda x: jnp.pad(x[:, :-1], [(0, 0), (1, 0)] + [(0, 0)] * (x.ndim - 2)), t)
+
+  return teacher
+
+
+# --------------------------------------------------------------------------------------------------
+# The loss handed to the train step
+# --------------------------------------------------------------------------------------------------
+
+
+def make_rl_loss(cfg: Config):
+  rl = cfg.rl
+  use_replay = rl.router_replay and cfg.model.n_moe_layers > 0
+
+  def loss_fn(model, batch: dict, _cfg):
+    replay = jnp.moveaxis(batch["experts"], 2, 0) if use_replay else None
+    out = model(batch["tokens"], batch["segment_ids"], batch["positions"], routed_experts=replay,
+                mtp=False, return_live_routing=cfg.model.n_moe_layers > 0)
+    logp, ent = token_logprobs(out.logits, batch["tokens"], rl.temperature, with_entropy=True)
+    old = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
+    pg_batch = {"old_logp": old, "sampler_logp": batch["sampler_logp"],
+                "advantages": batch["advantages"], "loss_mask": batch["loss_mask"], "entropy": ent,
+                "ref_logp": batch.get("ref_logp")}
+    loss, metrics = policy_loss(logp, pg_batch, rl)
+    mask = batch["loss_mask"]
+    if out.live_routing is not None:
+      # Tokens whose live router choice differs from the sampler's in at least one layer.
+      rec = jnp.moveaxis(batch["experts"], 2, 0)  # [n_moe, b, s, k]
+      same = jnp.all(jnp.sort(out.live_routing, -1) == jnp.sort(rec, -1), axis=-1).all(0)
+      recorded = jnp.all(rec >= 0, axis=(0, -1)) & (batch["segment_ids"] != 0)
+      metrics["routing_mismatch_frac"] = (jnp.sum((~same) & recorded)
+                                          / jnp.maximum(jnp.sum(recorded), 1))
+    if rl.feedback_kl_coef > 0 and "fb_mask" in batch:
+      teacher = {"logp": batch["fb_logp"]}
+      if rl.feedback_topk > 0:
+        teacher.update(idx=batch["fb_idx"], tail_logp=batch["fb_tail"])
+      kl, fm = feedback_kl(out.logits, teacher, batch["fb_mask"], rl.feedback_topk, rl.temperature)
+      loss = loss + rl.feedback_kl_coef * kl
+      metrics.update(fm)
+      metrics["loss"] = loss
+    metrics["tokens"] = mask.sum()
+    return loss, metrics, out
+
+  return loss_fn

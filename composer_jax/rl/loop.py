@@ -1,0 +1,345 @@
+"""The synchronous RL loop: rollouts with the current weights, then one learner update, repeated.
+
+Each step takes ``rl.tasks_per_step`` tasks from a seeded, checkpointed task stream, plays
+``rl.group_size`` episodes of each through the sampler engine and the sandboxed tools, scores them
+(grade - concave length penalty - shaping; hacks zeroed), gives each rollout its group advantage,
+detects hints for targeted textual feedback and computes the hinted teacher's targets, and updates
+the policy with the shared train step (``train/step.py``) and the RL loss of ``learner.py``. The
+engine then gets the new weights with the next version number.
+
+A run directory holds what the training stages write (config.yaml, tokenizer.json, metrics.jsonl,
+tb/, plots/, checkpoints/) plus rollouts.jsonl (one line per episode) and, with ``rl.eval_tasks``,
+eval/summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from composer_jax.config import Config, ConfigError, dump_config
+from composer_jax.rl import learner as L
+from composer_jax.rl.agent import Job, RolloutRunner
+
+
+class TaskStream:
+  """Tasks in a fresh seeded permutation per epoch; its state (epoch, position) is checkpointed so a
+  resumed run neither repeats nor skips a task."""
+
+  def __init__(self, n: int, seed: int):
+    self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
+
+  def _order(self) -> np.ndarray:
+    return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+
+  def take(self, k: int) -> list[int]:
+    out = []
+    while len(out) < k:
+      if self.pos >= self.n:
+        self.epoch, self.pos = self.epoch + 1, 0
+      out.append(int(self._order()[self.pos]))
+      self.pos += 1
+    return out
+
+  def state(self) -> dict:
+    return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "seed": self.seed}
+
+  def set_state(self, st: dict) -> None:
+    if st.get("n") != self.n:
+      raise ConfigError(f"--resume: the checkpoint's task stream has {st.get('n')} tasks, rl.tasks "
+                        f"has {self.n}: resume with the same rl.tasks")
+    self.epoch, self.pos = int(st["epoch"]), int(st["pos"])
+
+
+def load_task_set(path: str, field: str) -> list:
+  from composer_jax.env.tasks import TaskError, load_tasks
+  if not path:
+    raise ConfigError(f"{field} is empty: give a folder of tasks (composer-jax tasks generate "
+                      "--synthetic N --out DIR)")
+  try:
+    return load_tasks(path)
+  except TaskError as e:
+    raise ConfigError(f"{field}={path!r}: {e}") from None
+
+
+def check_isolation(cfg: Config) -> str:
+  """Model-driven episodes never run unisolated: the sandbox mode to use, or one line saying how to
+  get bubblewrap."""
+  from composer_jax.env import sandbox
+  try:
+    return sandbox.require_isolation(cfg.env.sandbox, "model-driven episodes")
+  except sandbox.SandboxError as e:
+    raise ConfigError(str(e)) from None
+
+
+def rollout_record(step: int, r) -> dict:
+  return {"step": step, "task": r.task_id, "group": r.group, "reward": r.reward,
+          "resolved": r.resolved, "completion_tokens": r.completion_tokens, "segments": len(r.segments),
+          "summaries": r.summaries, "cut": r.cut, "hints": [h.kind for h in r.hints],
+          "parts": r.parts, "flags": r.traj.flags, "messages": r.traj.messages}
+
+
+class RLRun:
+  """State of one RL run: trainer, engine, runner, task stream, logs."""
+
+  def __init__(self, cfg: Config, out_dir: str, *, init: str | None = None, resume: bool = False,
+               log=print):
+    from composer_jax.data.tokenizer import load_tokenizer
+    from composer_jax.rl.sampler import Engine
+    from composer_jax.train import checkpoint as ckpt_lib
+    from composer_jax.train.loop import MetricsLog, _from_items, _items, build_trainer
+    self.cfg, self.out, self.log = cfg, out_dir, log
+    rl = cfg.rl
+    self.tasks = load_task_set(rl.tasks, "rl.tasks")
+    self.mode = check_isolation(cfg)
+    os.makedirs(out_dir, exist_ok=True)
+    tok_path = os.path.join(out_dir, "tokenizer.json")
+    init_ckpt, init_step = ckpt_lib.find_checkpoint(init) if init else (None, None)
+    if not os.path.exists(tok_path):
+      src = os.path.join(os.path.dirname(init_ckpt), "tokenizer.json") if init else None
+      if not src or not os.path.exists(src):
+        raise ConfigError("rl needs the policy's tokenizer: pass --init RUN_DIR of an sft/pretrain run "
+                          "(its tokenizer.json is reused)")
+      shutil.copy(src, tok_path)
+    self.tok = load_tokenizer(tok_path)
+    dump_config(cfg, os.path.join(out_dir, "config.yaml"))
+    self.tr = build_trainer(cfg, loss_fn=L.make_rl_loss(cfg))
+    self.ck = ckpt_lib.Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.checkpoint.keep,
+                                    every=cfg.checkpoint.every, async_save=cfg.checkpoint.async_save)
+    self._items, self._from_items = _items, _from_items
+    self.stream = TaskStream(len(self.tasks), rl.seed)
+    self.start = 0
+    restored = self.ck.restore_latest(_items(self.tr.state)) if resume else None
+    if restored is not None:
+      self.start, items = restored
+      self.tr.state = _from_items(items)
+      self.stream.set_state(items["data"]["tasks"])
+      log(f"resumed from {self.ck.directory}/{self.start}")
+    elif init:
+      src = ckpt_lib.Checkpointer(init_ckpt, keep=1000, async_save=False)
+      targets = {"params": self.tr.state["params"], "rest": self.tr.state["rest"]}
+      got = (src.restore_latest(targets, json_items=()) if init_step is None
+             else (init_step, src.restore(init_step, targets, json_items=())))
+      src.close()
+      if got is None:
+        raise ConfigError(f"--init {init!r} holds no readable checkpoint")
+      self.tr.state.update(params=got[1]["params"], rest=got[1]["rest"])
+      log(f"initialised the policy from {init_ckpt}/{got[0]}")
+    self.frozen = None
+    if (rl.feedback_kl_coef > 0 and rl.feedback_teacher == "frozen") or rl.kl_coef > 0:
+      self.frozen = jax.tree.map(jnp.copy, (self.tr.state["params"], self.tr.state["rest"]))
+    self.engine = Engine(self.tr.graphdef, self.tr.state["params"], self.tr.state["rest"], cfg,
+                         n_slots=rl.decode_batch, max_len=rl.max_context, seed=rl.seed + self.start,
+                         version=self.start)
+    self.runner = RolloutRunner(self.engine, self.tok, cfg, mode=self.mode, log=log)
+    self.teacher_fn = L.make_teacher_fn(self.tr.graphdef, cfg) if rl.feedback_kl_coef > 0 else None
+    self.logp_fn = _make_logp_fn(self.tr.graphdef, cfg)
+    self.metrics = MetricsLog(out_dir, self.start)
+    self.rollout_file = open(os.path.join(out_dir, "rollouts.jsonl"), "a")  # noqa: SIM115
+
+  # ------------------------------------------------------------------------------------------------
+
+  def _batch(self, rollouts, stats) -> tuple[dict, dict]:
+    cfg, rl = self.cfg, self.cfg.rl
+    m = cfg.model
+    rows, where = L.segment_rows(rollouts, stats["advantages"])
+    quantum = max(cfg.train.grad_accum * rl.minibatches, rl.tasks_per_step * rl.group_size)
+    n_rows = L.row_count(len(rows), quantum)
+    length = L.bucket(max(len(r.tokens) for r in rows), rl.max_context)
+    pad = self.tok.pad_id if self.tok.pad_id is not None else 0
+    batch = L.pack_rows(rows, n_rows, length, m.n_moe_layers, m.n_experts_per_tok, pad)
+    info = {"hints": 0}
+    if self.teacher_fn is not None:
+      jobs = L.feedback_jobs(rollouts, where, self.tok, cfg)
+      info["hints"] = len(jobs)
+      teacher = {"logp": np.zeros((0, length, rl.feedback_topk or m.vocab_size), np.float32)}
+      if jobs:
+        tl = L.bucket(max(len(j.tokens) for j in jobs), rl.max_context)
+        tb = L.pack_rows([L.Row(j.tokens, j.experts) for j in jobs], L.row_count(len(jobs), 4), tl,
+                         m.n_moe_layers, m.n_experts_per_tok, pad)
+        params, rest = self.frozen if rl.feedback_teacher == "frozen" else (
+            self.tr.state["params"], self.tr.state["rest"])
+        teacher = jax.device_get(self.teacher_fn(params, rest, tb["tokens"], tb["segment_ids"],
+                                                 tb["positions"], tb["experts"]))
+      L.attach_teacher(batch, jobs, teacher, rl.feedback_topk)
+    if rl.minibatches > 1:
+      batch["old_logp"] = np.asarray(self.logp_fn(self.tr.state["params"], self.tr.state["rest"], batch))
+    if rl.kl_coef > 0:
+      batch["ref_logp"] = np.asarray(self.logp_fn(*self.frozen, batch))
+    return batch, info
+
+  def step(self, step: int) -> dict:
+    from composer_jax.train.loop import put_batch
+    cfg, rl = self.cfg, self.cfg.rl
+    chosen = self.stream.take(rl.tasks_per_step)
+    jobs = [Job(self.tasks[t], g, s) for g, t in enumerate(chosen) for s in range(rl.group_size)]
+    t0 = time.perf_counter()
+    rollouts = self.runner.run(jobs)
+    t1 = time.perf_counter()
+    stats = L.score_rollouts(rollouts, cfg, ks=sorted({1, rl.group_size}))
+    batch, info = self._batch(rollouts, stats)
+    n_mb = rl.minibatches
+    per = batch["tokens"].shape[0] // n_mb
+    learn = {}
+    for i in range(n_mb):
+      mb = {k: v[i * per:(i + 1) * per] for k, v in batch.items()}
+      self.tr.state, out = self.tr.step_fn(self.tr.state, put_batch(self.tr, mb))
+      for k, v in jax.device_get(out).items():
+        learn[k] = learn.get(k, 0.0) + float(v) / n_mb
+    t2 = time.perf_counter()
+    self.engine.set_weights(self.tr.state["params"], self.tr.state["rest"], step)
+    grading = sum(float(r.traj.grade.get("seconds", 0.0)) for r in rollouts)
+    rec = {"step": step, "reward_mean": stats["reward_mean"], "pass_rate": stats["pass_rate"],
+           **{k: v for k, v in stats.items() if k.startswith("pass@") or k.startswith("pass^")},
+           "completion_tokens_mean": float(np.mean([r.completion_tokens for r in rollouts])),
+           "length_penalty_mean": float(np.mean([r.parts.get("length_penalty", 0.0) for r in rollouts])),
+           "shaping_penalty_mean": float(np.mean([r.parts.get("shaping_penalty", 0.0) for r in rollouts])),
+           "hints": info["hints"], "summaries": int(sum(r.summaries for r in rollouts)),
+           "segments": int(sum(len(r.segments) for r in rollouts)),
+           "tokens_per_segment": float(np.mean([len(s) for r in rollouts for s in r.segments])),
+           "flagged_hacks": stats["flagged_hacks"], "cut_episodes": int(sum(r.cut for r in rollouts)),
+           "rollout_s": t1 - t0, "grading_s": grading, "learn_s": t2 - t1,
+           "rollout_tokens_per_s": sum(r.completion_tokens for r in rollouts) / max(t1 - t0, 1e-9),
+           "version": step, **learn}
+    rec.setdefault("feedback_kl", 0.0)
+    rec.setdefault("routing_mismatch_frac", 0.0)
+    for r in rollouts:
+      self.rollout_file.write(json.dumps(rollout_record(step, r)) + "\n")
+    self.rollout_file.flush()
+    return rec
+
+  def run(self) -> dict:
+    from tqdm import tqdm
+
+    from composer_jax.train.loop import plot_metrics
+    cfg = self.cfg
+    total = cfg.rl.steps
+    bar = tqdm(total=total, initial=self.start, disable=not cfg.train.progress, unit="step",
+               dynamic_ncols=True, desc="rl")
+    last: dict = {}
+    for step in range(self.start + 1, total + 1):
+      last = self.step(step)
+      self.metrics.write(last)
+      bar.set_postfix(reward=f"{last['reward_mean']:.3f}", pass_=f"{last['pass_rate']:.2f}")
+      bar.update(1)
+      if self.ck.should_save(step, total):
+        self.ck.save(step, self._items(self.tr.state), {"tasks": self.stream.state(), "version": step},
+                     {"step": step, "stage": "rl", "config": cfg.to_dict()})
+    bar.close()
+    self.ck.close()
+    self.metrics.close()
+    self.rollout_file.close()
+    plot_metrics(self.out, RL_PLOTS)
+    if cfg.rl.eval_tasks:
+      tasks = load_task_set(cfg.rl.eval_tasks, "rl.eval_tasks")
+      last["eval"] = evaluate(self.runner, tasks, cfg.eval.samples, os.path.join(self.out, "eval"),
+                              cfg.eval.k, self.log)
+    self.log(f"done: {total} RL steps in {self.out}")
+    return last
+
+
+RL_PLOTS = ("reward_mean", "pass_rate", "completion_tokens_mean", "loss", "grad_norm",
+            "train_infer_logprob_abs_diff", "routing_mismatch_frac", "length_penalty_mean",
+            "feedback_kl", "hints", "summaries", "rollout_s", "learn_s")
+
+
+def _make_logp_fn(graphdef, cfg: Config):
+  """Jitted trainer log-probs of a learner batch (behaviour / reference log-probs), with replay."""
+  from flax import nnx
+
+  from composer_jax.rl.losses import token_logprobs
+  use_replay = cfg.rl.router_replay and cfg.model.n_moe_layers > 0
+
+  @jax.jit
+  def logp(params, rest, batch):
+    model = nnx.merge(graphdef, params, rest)
+    replay = jnp.moveaxis(batch["experts"], 2, 0) if use_replay else None
+    out = model(batch["tokens"], batch["segment_ids"], batch["positions"], routed_experts=replay,
+                mtp=False)
+    return token_logprobs(out.logits, batch["tokens"], cfg.rl.temperature)
+
+  return lambda params, rest, batch: logp(params, rest, {k: batch[k] for k in
+                                                         ("tokens", "segment_ids", "positions", "experts")})
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation with a model policy (also `composer-jax eval --policy RUN_DIR`)
+# --------------------------------------------------------------------------------------------------
+
+
+def evaluate(runner: RolloutRunner, tasks: list, samples: int, out_dir: str, ks=(1,), log=print) -> dict:
+  """Every task ``samples`` times through the batched runner; the harness's summary and plot."""
+  from composer_jax.eval.bench import summarize
+  from composer_jax.eval.plots import plot_score_vs_tokens
+  os.makedirs(out_dir, exist_ok=True)
+  t0 = time.perf_counter()
+  jobs = [Job(t, i, s) for i, t in enumerate(tasks) for s in range(samples)]
+  rollouts = runner.run(jobs)
+  results: dict[str, list[dict]] = {t.instance_id: [] for t in tasks}
+  with open(os.path.join(out_dir, "trajectories.jsonl"), "w") as f:
+    for r in rollouts:
+      tr = r.traj
+      from composer_jax.env.guards import Flag, is_hack
+      results[r.task_id].append({"reward": tr.reward, "resolved": tr.resolved,
+                                 "completion_tokens": r.completion_tokens, "tool_calls": tr.tool_calls,
+                                 "format_errors": tr.format_errors, "wall_s": tr.wall_s,
+                                 "hack": is_hack([Flag(**x) for x in tr.flags])})
+      f.write(json.dumps({**tr.to_json(), "completion_tokens": r.completion_tokens,
+                          "summaries": r.summaries}) + "\n")
+  summary = {"policy": "model", **summarize(results, list(ks)),
+             "elapsed_s": round(time.perf_counter() - t0, 2)}
+  with open(os.path.join(out_dir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=1)
+  plot_score_vs_tokens(summary, os.path.join(out_dir, "score_vs_tokens.png"),
+                       f"model: {summary['tasks']} tasks x {samples}")
+  log(f"[eval] pass@1 {summary['pass@1']:.3f} over {summary['tasks']} tasks x {samples} "
+      f"({summary['elapsed_s']:.0f} s)")
+  return summary
+
+
+def load_policy(run_dir: str, overrides: list[str] = ()):
+  """(cfg, tokenizer, graphdef, params, rest) of a run directory's newest checkpoint, restored into
+  abstract targets (no random model is built first)."""
+  from flax import nnx
+
+  from composer_jax.config import load_config
+  from composer_jax.data.tokenizer import load_tokenizer
+  from composer_jax.model.build import abstract_model
+  from composer_jax.train import checkpoint as ckpt_lib
+  ck_dir, step = ckpt_lib.find_checkpoint(run_dir)
+  run = os.path.dirname(ck_dir)
+  cfg_path, tok_path = os.path.join(run, "config.yaml"), os.path.join(run, "tokenizer.json")
+  if not (os.path.isdir(ck_dir) and os.path.exists(cfg_path) and os.path.exists(tok_path)):
+    raise ConfigError(f"--policy {run_dir!r} is not a run directory (config.yaml, tokenizer.json, "
+                      "checkpoints/): pass a pretrain/sft/rl --out folder, oracle or null")
+  cfg = load_config(cfg_path, list(overrides))
+  graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
+  src = ckpt_lib.Checkpointer(ck_dir, keep=1000, async_save=False)
+  targets = {"params": params, "rest": rest}
+  got = src.restore_latest(targets, json_items=()) if step is None else (step, src.restore(step, targets, json_items=()))
+  src.close()
+  if got is None:
+    raise ConfigError(f"--policy {run_dir!r} holds no readable checkpoint")
+  return cfg, load_tokenizer(tok_path), graphdef, got[1]["params"], got[1]["rest"]
+
+
+def eval_run_dir(run_dir: str, tasks: list, samples: int, out_dir: str, overrides: list[str] = (),
+                 log=print) -> dict:
+  from composer_jax.rl.sampler import Engine
+  cfg, tok, graphdef, params, rest = load_policy(run_dir, overrides)
+  mode = check_isolation(cfg)
+  engine = Engine(graphdef, params, rest, cfg, n_slots=cfg.rl.decode_batch, max_len=cfg.rl.max_context,
+                  seed=cfg.rl.seed)
+  return evaluate(RolloutRunner(engine, tok, cfg, mode=mode, log=log), tasks, samples, out_dir,
+                  cfg.eval.k, log)
+
+
+def run_rl(cfg: Config, out_dir: str, *, init: str | None = None, resume: bool = False,
+           log=print) -> dict:
+  return RLRun(cfg, out_dir, init=init, resume=resume, log=log).run()

@@ -1,0 +1,204 @@
+"""The rollout runner's bookkeeping with a scripted engine: token in, token out, spans, summaries,
+continuous batching over fewer slots than episodes, rewards and the learner batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from composer_jax.config import load_config
+from composer_jax.data import chat
+from composer_jax.data.tokenizer import train_bpe
+from composer_jax.env import sandbox
+from composer_jax.env.protocol import format_call
+from composer_jax.env.tasks import read_text
+from composer_jax.rl import learner as L
+from composer_jax.rl.agent import Job, RolloutRunner
+from composer_jax.rl.sampler import Generation
+
+N_MOE, K = 2, 2
+
+
+class ScriptedEngine:
+  """The Engine API, answering each request with the next scripted text of its episode.
+
+  It honours the sampler's contract: ``context_tokens`` are exactly the tokens fed (the previous
+  turn's last token first, then the new tokens, then all generated tokens but the last)."""
+
+  def __init__(self, tok, script, n_slots):
+    self.tok, self.script, self.n_slots = tok, script, n_slots
+    self.pending, self.carry, self.turn = [], {}, {}
+    self.held, self.max_held, self.released = set(), 0, []
+
+  def submit(self, req):
+    assert req.key in self.held or len(self.held) < self.n_slots, "more live episodes than slots"
+    self.held.add(req.key)
+    self.max_held = max(self.max_held, len(self.held))
+    self.pending.append(req)
+
+  def release(self, key):
+    self.held.discard(key)
+    self.carry.pop(key, None)
+    self.released.append(key)
+
+  def busy(self):
+    return bool(self.pending)
+
+  def step(self):
+    out = []
+    for req in self.pending:
+      n = self.turn.get(req.key[0], 0)
+      self.turn[req.key[0]] = n + 1
+      text = self.script(req, n)
+      ids = self.tok.encode(text)[: req.max_new_tokens - 1] + [req.stop_ids[0]]
+      fed = self.carry.get(req.key, []) + list(req.new_tokens) + ids[:-1]
+      self.carry[req.key] = ids[-1:]
+      rng = np.random.default_rng(len(fed))
+      out.append(Generation(key=req.key, tokens=np.asarray(ids, np.int32),
+                            logprobs=-rng.random(len(ids)).astype(np.float32),
+                            context_experts=rng.integers(0, 4, (len(fed), N_MOE, K)).astype(np.int16),
+                            context_tokens=np.asarray(fed, np.int32), version=7, finish="stop"))
+    self.pending = []
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok():
+  text = [read_text(chat.__file__), format_call("create", {"path": "a.py", "content": "x = 1\n"})] * 3
+  return train_bpe(text, 600)
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+  from composer_jax.env import synthetic
+  out = tmp_path_factory.mktemp("syn")
+  synthetic.generate(2, seed=3, out=str(out))
+  from composer_jax.env.tasks import load_tasks
+  return load_tasks(str(out))
+
+
+def _cfg(**rl):
+  over = [f"model.n_layers={N_MOE + 1}", "model.n_dense_layers=1", f"model.n_experts_per_tok={K}",
+          "model.max_seq_len=4096", "rl.max_new_tokens=512", "env.timeout_s=10"]
+  over += [f"rl.{k}={v}" for k, v in rl.items()]
+  return load_config(None, over)
+
+
+needs_bwrap = pytest.mark.skipif(not sandbox.bwrap_available(),
+                                 reason="bubblewrap cannot run here (apt-get install -y bubblewrap)")
+
+
+def _first_user_task(req, tok, tasks):
+  text = tok.decode(req.new_tokens)
+  return next(t for t in tasks if t.prompt() in text)
+
+
+@needs_bwrap
+def test_runner_token_in_token_out_and_slots(tok, tasks):
+  cfg = _cfg(decode_batch=2)
+  owner = {}
+
+  def script(req, n):
+    if req.key not in owner:
+      owner[req.key] = _first_user_task(req, tok, tasks)
+    t = owner[req.key]
+    if n == 0:
+      calls = [format_call("create", {"path": rel, "content": read_text(f"{t.gold_dir}/{rel}")})
+               for rel in t.gold_files]
+      return "Restoring.\n" + "\n".join(calls)
+    return format_call("submit", {})
+
+  engine = ScriptedEngine(tok, script, n_slots=2)
+  runner = RolloutRunner(engine, tok, cfg)
+  jobs = [Job(t, g, s) for g, t in enumerate(tasks) for s in range(2)]
+  rollouts = runner.run(jobs)
+  assert engine.max_held <= 2 and len(engine.released) == 4  # 4 episodes through 2 slots
+  for r, job in zip(rollouts, jobs):
+    assert r.task_id == job.task.instance_id and r.resolved and r.grade_reward == 1.0
+    (seg,) = r.segments
+    # The segment is the exact fed/produced stream: prompt as SFT encodes it, then the turns.
+    prompt = chat.encode_segments(r.traj.messages[:2], tok)[0] + tok.encode(chat.generation_prompt())
+    assert seg.tokens[: len(prompt)].tolist() == prompt
+    assert len(r.spans) == 2 and [s.env_turn for s in r.spans] == [0, 1]
+    for span in r.spans:
+      body = seg.tokens[span.body_start:span.body_end]
+      assert body[-1] == tok.token_id(chat.IM_END) and seg.loss_mask[span.body_start:span.body_end].all()
+      assert seg.loss_mask[span.header_start:span.body_start].sum() == 0
+      assert (seg.versions[span.body_start:span.body_end] == 7).all()
+    assert seg.loss_mask.sum() == sum(s.body_end - s.body_start for s in r.spans)
+    assert (seg.experts[-1] == -1).all() and (seg.experts[:-1] >= 0).all()  # last token never fed
+    # The observation between the turns is the tool message exactly as chat encodes it.
+    obs = chat.encode_segments([r.traj.messages[3]], tok)[0]
+    a, b = r.spans[0].body_end, r.spans[1].header_start
+    assert seg.tokens[a:b].tolist() == obs
+  # Rewards, advantages and the learner batch.
+  stats = L.score_rollouts(rollouts, cfg, ks=[1, 2])
+  assert stats["pass_rate"] == 1.0 and np.allclose(stats["advantages"], 0.0)
+  rows, where = L.segment_rows(rollouts, stats["advantages"])
+  n = L.row_count(len(rows), 4)
+  length = L.bucket(max(len(r.tokens) for r in rows), cfg.rl.max_context)
+  batch = L.pack_rows(rows, n, length, N_MOE, K, tok.pad_id)
+  assert batch["tokens"].shape == (4, length) and batch["experts"].shape == (4, length, N_MOE, K)
+  for i, (ri, si) in enumerate(where):
+    seg = rollouts[ri].segments[si]
+    assert (batch["tokens"][i, :len(seg)] == seg.tokens).all()
+    assert (batch["segment_ids"][i, len(seg):] == 0).all()
+    assert np.allclose(batch["sampler_logp"][i, :len(seg)], seg.sampler_logp)
+
+
+@needs_bwrap
+def test_self_summarization_starts_a_new_segment(tok, tasks):
+  cfg = _cfg(decode_batch=1, summary_trigger_tokens=1, max_summaries=1)
+  task = tasks[0]
+
+  def script(req, n):
+    text = tok.decode(req.new_tokens)
+    if "Summarise your work" in text:
+      return "I looked at the file; nothing changed yet."
+    if n == 0:
+      return format_call("view", {"path": "."})
+    return format_call("submit", {})
+
+  engine = ScriptedEngine(tok, script, n_slots=1)
+  (r,) = RolloutRunner(engine, tok, cfg).run([Job(task, 0)])
+  assert r.summaries == 1 and len(r.segments) == 2 and r.segments[0].summary
+  assert [s.segment for s in r.spans] == [0, 0, 1] and r.spans[1].env_turn == -1
+  second = tok.decode(r.segments[1].tokens)
+  assert "Summary of your earlier work" in second and "I looked at the file" in second
+  assert task.prompt() in second  # the new segment restarts from the system prompt and the task
+  assert r.traj.submitted and not r.resolved  # submitting without the fix scores 0
+
+
+@needs_bwrap
+def test_feedback_teacher_context_inserts_the_hint(tok, tasks):
+  cfg = _cfg(decode_batch=1, feedback_kl_coef=0.1, feedback_topk=4)
+
+  def script(req, n):
+    return format_call("open_file", {"path": "x.py"}) if n == 0 else format_call("submit", {})
+
+  (r,) = RolloutRunner(ScriptedEngine(tok, script, 1), tok, cfg).run([Job(tasks[0], 0)])
+  rows, where = L.segment_rows([r], [0.5])
+  jobs = L.feedback_jobs([r], where, tok, cfg)
+  assert [h.kind for h in r.hints] == ["unknown_tool"] and len(jobs) == 1
+  job, span, seg = jobs[0], r.spans[0], r.segments[0]
+  hint_ids = chat.encode_segments([{"role": "system", "content": r.hints[0].text}], tok)[0]
+  assert job.offset == len(hint_ids)
+  assert job.tokens.tolist() == (seg.tokens[:span.header_start].tolist() + hint_ids
+                                 + seg.tokens[span.header_start:span.body_end].tolist())
+  # Teacher rows land on the student's body positions.
+  length = L.bucket(len(seg), 4096)
+  batch = L.pack_rows(rows, 1, length, N_MOE, K, tok.pad_id)
+  t_len = len(job.tokens)
+  teacher = {"logp": np.arange(t_len * 4, dtype=np.float32).reshape(1, t_len, 4),
+             "idx": np.ones((1, t_len, 4), np.int32), "tail_logp": np.full((1, t_len), -3.0, np.float32)}
+  L.attach_teacher(batch, jobs, teacher, 4)
+  assert batch["fb_mask"][0].sum() == span.body_end - span.body_start
+  t = span.body_start
+  assert np.array_equal(batch["fb_logp"][0, t], teacher["logp"][0, t + job.offset])
+
+
+def test_generation_fields_match_the_sampler_contract():
+  fields = {f.name for f in dataclasses.fields(Generation)}
+  assert {"key", "tokens", "logprobs", "context_experts", "context_tokens", "version", "finish"} <= fields
