@@ -218,6 +218,9 @@ class RLConfig:
   # Cap on (length + shaping) penalty per episode; < 1 keeps every resolved episode (grade 1) above
   # every unresolved one (grade 0), so effort is only traded off among equal outcomes.
   penalty_cap: float = 0.5
+  # Cap on (length + shaping) penalty per episode; < 1 keeps every resolved episode (grade 1) above
+  # every unresolved one (grade 0), so effort is only traded off among equal outcomes.
+  penalty_cap: float = 0.5
   # Targeted textual feedback (Composer 2.5).
   feedback_kl_coef: float = 0.0  # 0 = off
   feedback_topk: int = 0  # teacher distribution: 0 = full vocabulary, else top-k plus a tail bucket
@@ -570,6 +573,21 @@ def validate(cfg: Config) -> None:
            f"data.batch_size={d.batch_size} must be divisible by train.grad_accum={t.grad_accum}")
   _require(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
   _require(cfg.rl.group_size >= 1, "rl.group_size must be >= 1")
+  r = cfg.rl
+  _require(0 <= r.ppo_clip_low < 1, f"rl.ppo_clip_low={r.ppo_clip_low} must be in [0, 1)")
+  _require(r.ppo_clip_high >= 0, f"rl.ppo_clip_high={r.ppo_clip_high} must be >= 0")
+  _require(r.is_clip > 1, f"rl.is_clip={r.is_clip} must be > 1 (the weight cap; 2 is the usual choice)")
+  for name in ("kl_coef", "length_penalty", "length_k", "length_q", "feedback_kl_coef", "max_hints",
+               "penalty_malformed_call", "penalty_unknown_tool", "penalty_repeated_command",
+               "penalty_no_call_turn", "length_w_reasoning", "length_w_tool_call",
+               "length_w_tool_output", "length_w_final", "length_w_calls", "length_w_turns"):
+    _require(getattr(r, name) >= 0, f"rl.{name}={getattr(r, name)} must be >= 0")
+  _require(r.length_ref > 0, f"rl.length_ref={r.length_ref} must be > 0 (the x where the penalty = coef)")
+  _require(0 <= r.penalty_cap < 1, f"rl.penalty_cap={r.penalty_cap} must be in [0, 1) so a resolved "
+           "episode always outscores an unresolved one")
+  _require(r.feedback_topk >= 0, f"rl.feedback_topk={r.feedback_topk} must be >= 0 (0 = full vocabulary)")
+  _require(r.feedback_topk < cfg.model.vocab_size, f"rl.feedback_topk={r.feedback_topk} must be < "
+           f"model.vocab_size={cfg.model.vocab_size} (use 0 for the full vocabulary)")
   r = cfg.rl
   _require(0 <= r.ppo_clip_low < 1, f"rl.ppo_clip_low={r.ppo_clip_low} must be in [0, 1)")
   _require(r.ppo_clip_high >= 0, f"rl.ppo_clip_high={r.ppo_clip_high} must be >= 0")
