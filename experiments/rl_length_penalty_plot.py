@@ -36,7 +36,7 @@ def main(out: str = OUT) -> str:
     b.plot(x, (1 + k * x) ** (-q) / ref, label=label)
   a.axvline(REF, color="gray", lw=0.8, ls=":")
   a.axhline(1.0, color="gray", lw=0.8, ls=":")
-  a.set(xlabel="weighted effort x (tokens + 10 x calls + 10 x turns)", ylabel="C(x) / C(x_ref)",
+  a.set(xlabel="weighted effort x (sum of rl.length_w_* x counts)", ylabel="C(x) / C(x_ref)",
         title="length penalty (coef 1, pass rate 1)", ylim=(0, 3))
   b.set(xlabel="weighted effort x", ylabel="dC/dx / C(x_ref)  (log scale)", yscale="log",
         title="marginal penalty per unit of effort")

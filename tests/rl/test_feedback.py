@@ -114,6 +114,16 @@ def test_one_hint_per_turn_and_no_false_positives():
   assert F.behaviour_stats(recs)["repeated_commands"] == 0
 
 
+def test_lint_through_terminal():
+  # ruff run from the terminal counts; pytest's "path:line: Error" lines (no column) do not
+  turns = [(format_call("create", {"path": "pkg/a.py", "content": "x = y\n"}), [(True, "created pkg/a.py")]),
+           (format_call("terminal", {"command": "pytest -q; ruff check pkg"}),
+            [(True, "pkg/a.py:1: NameError\npkg/a.py:1:5: F821 Undefined name `y`\n[exit code 1]")])]
+  hints = F.detect_hints(F.records_from_messages(_episode(turns)), max_hints=3)
+  assert [(h.turn_index, h.kind) for h in hints] == [(0, "lint_error")]
+  assert "(line 1: F821 Undefined name `y`)" in hints[0].text and "NameError" not in hints[0].text
+
+
 def test_behaviour_stats():
   _, recs, _ = _records()
   # repeated: turn 2 only (turn 6's pytest follows the edit in turn 3)
