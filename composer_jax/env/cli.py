@@ -47,6 +47,8 @@ def register(subparsers) -> None:
                    help="with --synthetic: held-out templates and instances, or both")
   gen.add_argument("--templates", default=None,
                    help="with --synthetic: comma-separated template names (default: all of the split)")
+  gen.add_argument("--levels", default=None,
+                   help="with --synthetic: comma-separated difficulty levels, e.g. 1,2 (default: all)")
   _common(gen)
   gen.set_defaults(func=_tasks_generate)
 
@@ -158,7 +160,7 @@ def _tasks_generate_synthetic(args) -> int:
   env = _env_cfg(args)
   try:
     rep = synthetic.generate(args.synthetic, args.seed, args.out, split=args.split,
-                             templates=args.templates,
+                             templates=args.templates, levels=args.levels,
                              limits={"timeout_s": min(env.timeout_s, 10.0), "max_turns": 8,
                                      "grade_timeout_s": min(env.grade_timeout_s, 10.0)})
   except synthetic.SyntheticError as e:

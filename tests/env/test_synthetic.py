@@ -71,6 +71,19 @@ def test_splits_are_disjoint_by_template_and_by_content():
     instances(2, 0, split="dev")
 
 
+def test_levels_are_balanced_and_selectable():
+  insts = instances(12, 0, templates="implement,method")
+  counts = {}
+  for i in insts:
+    counts[(i.template, i.difficulty)] = counts.get((i.template, i.difficulty), 0) + 1
+  assert counts == {(t, d): 2 for t in ("implement", "method") for d in (1, 2, 3)}
+  assert {i.difficulty for i in instances(6, 0, levels="1,2")} == {1, 2}
+  assert {i.template for i in instances(4, 0, split="all", levels="3")} == {"implement", "fix_bug",
+                                                                          "method"}
+  with pytest.raises(SyntheticError, match="--levels"):
+    instances(2, 0, levels="4")
+
+
 def test_task_directories_follow_the_schema(level_tasks, tmp_path):
   report = synthetic.generate(4, 2, str(tmp_path / "out"))
   assert report["n"] == 4 and sum(report["counts"].values()) == 4

@@ -88,12 +88,31 @@ def select_templates(names: str | list | None, split: str) -> list[Template]:
   return chosen
 
 
+def _levels(levels: str | list | None) -> set | None:
+  if levels is None or levels == "":
+    return None
+  try:
+    out = {int(x) for x in (levels.split(",") if isinstance(levels, str) else levels)}
+  except ValueError:
+    raise SyntheticError(f"--levels {levels!r}: give comma-separated integers, e.g. 1,2") from None
+  if not out <= {1, 2, 3}:
+    raise SyntheticError(f"--levels {levels!r}: difficulty levels are 1, 2 and 3")
+  return out
+
+
 def instances(n: int, seed: int, split: str = "train", templates: str | list | None = None,
-              max_tries_per: int = 50) -> list[T.Instance]:
-  """``n`` distinct instances of the split, templates taken in turn, deterministic in ``seed``."""
+              levels: str | list | None = None, max_tries_per: int = 50) -> list[T.Instance]:
+  """``n`` distinct instances of the split, deterministic in ``seed``: templates taken in turn and
+  each template's difficulty levels in turn (balanced counts)."""
   if n < 1:
     raise SyntheticError(f"--synthetic {n} must be >= 1")
   chosen = select_templates(templates, split)
+  allowed = _levels(levels)
+  if allowed is not None:
+    chosen = [t for t in chosen if allowed & set(t.levels)]
+    if not chosen:
+      raise SyntheticError(f"--levels {levels!r}: no chosen template has these levels")
+  made: dict = {t.name: 0 for t in chosen}
   out, seen = [], set()
   k = 0
   while len(out) < n:
@@ -101,13 +120,15 @@ def instances(n: int, seed: int, split: str = "train", templates: str | list | N
       raise SyntheticError(f"only {len(out)} distinct {split} instances after {k} draws; ask for "
                            "fewer or allow more templates")
     tpl = chosen[len(out) % len(chosen)]
+    lv = [x for x in tpl.levels if allowed is None or x in allowed]
     rng = random.Random(f"{seed}/{k}/{tpl.name}")
     k += 1
-    inst = tpl.make(rng, rng.choice(tpl.levels))
+    inst = tpl.make(rng, lv[made[tpl.name] % len(lv)])
     h = content_hash(inst)
     if h in seen or (split != "all" and instance_split(inst) != split):
       continue
     seen.add(h)
+    made[tpl.name] += 1
     inst.params.update(seed=seed, draw=k - 1, hash=h[:12], split=instance_split(inst))
     out.append(inst)
   return out
@@ -146,9 +167,9 @@ def _lines_changed(inst: T.Instance) -> int:
 
 
 def generate(n: int, seed: int, out: str, split: str = "train", templates: str | list | None = None,
-             limits: dict | None = None) -> dict:
+             limits: dict | None = None, levels: str | list | None = None) -> dict:
   """Write ``n`` task directories under ``out``; returns a report (counts per template, level)."""
-  insts = instances(n, seed, split, templates)
+  insts = instances(n, seed, split, templates, levels)
   os.makedirs(out, exist_ok=True)
   counts: dict = {}
   ids = []
