@@ -192,9 +192,11 @@ def recipe_env(recipe: Recipe, repo: str) -> dict:
   return env
 
 
-def run_setup(repo: str, recipe: Recipe, limits: Limits, mode: str = "auto") -> list[dict]:
-  """Run the recipe's commands in the sandbox (with network); raises SetupError on the first failure."""
-  sb = Sandbox(repo, limits, mode=mode, network=True)
+def run_setup(repo: str, recipe: Recipe, limits: Limits, mode: str = "auto",
+              model_proposed: bool = False) -> list[dict]:
+  """Run the recipe's commands in the sandbox (with network); raises SetupError on the first failure.
+  Commands a model proposed (``model_proposed``) never run without bubblewrap."""
+  sb = Sandbox(repo, limits, mode=mode, network=True, model_driven=model_proposed)
   log = []
   for cmd in recipe.commands:
     r = sb.run(cmd, env=recipe_env(recipe, repo), timeout=max(limits.timeout_s, 300))
@@ -205,14 +207,14 @@ def run_setup(repo: str, recipe: Recipe, limits: Limits, mode: str = "auto") -> 
 
 
 def verify(repo: str, recipe: Recipe, limits: Limits, mode: str = "auto",
-           min_pass_fraction: float = 0.8) -> dict:
+           min_pass_fraction: float = 0.8, model_proposed: bool = False) -> dict:
   """Imports work, tests collect, most tests pass. Returns the numbers; raises SetupError if not."""
   from composer_jax.env.grading import parse_junit  # grading imports tasks; avoid a cycle at import
   from composer_jax.env.guards import installed_copies
   env = recipe_env(recipe, repo)
   with tempfile.TemporaryDirectory(prefix="cj-verify-") as report_dir:
     sb = Sandbox(repo, limits, mode=mode, binds=[report_dir],
-                 hide=installed_copies(recipe.package_modules))
+                 hide=installed_copies(recipe.package_modules), model_driven=model_proposed)
     imports = "; ".join(f"import {m}" for m in recipe.package_modules)
     r = sb.run(["python", "-c", imports], env=env)
     if not r.ok:

@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 from composer_jax.env import guards
 from composer_jax.env.grading import grade, test_env
 from composer_jax.env.protocol import ParseError, describe_tools, format_call, format_observation, parse
-from composer_jax.env.sandbox import Limits, Sandbox
+from composer_jax.env.sandbox import Limits, Sandbox, require_isolation
 from composer_jax.env.tasks import Task, read_text
 from composer_jax.env.tools import SPECS, ToolBox
 
@@ -200,7 +200,11 @@ class Episode:
 
 def run_episode(task: Task, policy, limits: Limits = Limits(), mode: str = "auto",
                 max_turns: int = 30, verbose_prompt: bool = False,
-                grade_limits: Limits | None = None, tool_docs: str = "full") -> Trajectory:
+                grade_limits: Limits | None = None, tool_docs: str = "full",
+                model_driven: bool = False) -> Trajectory:
+  """``model_driven``: a model chooses the calls, so bubblewrap must work whatever ``mode`` says."""
+  if model_driven:
+    mode = require_isolation(mode, "a model-driven episode")
   policy.reset(task)
   ep = Episode(task, limits, mode, max_turns, verbose_prompt, grade_limits,
                getattr(policy, "name", type(policy).__name__), tool_docs)

@@ -38,11 +38,15 @@ def run_eval(tasks: list[Task], make_policy: Callable[[], object], samples: int,
   t0 = time.perf_counter()
   jobs = [(t, s) for t in tasks for s in range(samples)]
   results: dict[str, list[dict]] = {t.instance_id: [] for t in tasks}
-  policy_name = getattr(make_policy(), "name", "policy")
+  probe = make_policy()
+  policy_name = getattr(probe, "name", "policy")
+  # Anything but a scripted policy is driven by a model and never runs unisolated.
+  model_driven = getattr(probe, "model_driven", not isinstance(probe, tuple(SCRIPTED.values())))
 
   def one(job):
     task, _ = job
-    return task, run_episode(task, make_policy(), limits, mode, max_turns, verbose_prompt)
+    return task, run_episode(task, make_policy(), limits, mode, max_turns, verbose_prompt,
+                             model_driven=model_driven)
 
   with open(os.path.join(out_dir, "trajectories.jsonl"), "w") as traj_file, \
       cf.ThreadPoolExecutor(max(1, workers)) as pool:

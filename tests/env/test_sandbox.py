@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 
 import pytest
@@ -10,7 +12,8 @@ import pytest
 from composer_jax.env import sandbox as sbm
 from composer_jax.env.sandbox import Limits, Sandbox, SandboxError, clip_output
 
-needs_bwrap = pytest.mark.skipif(not sbm.bwrap_available(), reason="bubblewrap cannot run here")
+needs_bwrap = pytest.mark.skipif(not sbm.bwrap_available(),
+                                 reason="bubblewrap cannot run here (apt-get install -y bubblewrap)")
 
 
 @needs_bwrap
@@ -29,13 +32,28 @@ def test_bwrap_isolation(tmp_path):
 
 @needs_bwrap
 def test_hidden_paths_are_empty(tmp_path):
-  secret = tmp_path / "store"
-  secret.mkdir()
-  (secret / "gold.py").write_text("answer")
-  ws = tmp_path / "ws"
-  ws.mkdir()
-  r = Sandbox(str(ws), hide=[str(secret)]).run(f"ls {secret}; cat {secret}/gold.py")
-  assert "answer" not in r.output
+  # Planted where only `hide` protects it: under a path the sandbox shows (a read-only bind, the
+  # workspace). A store above the workspace (outside the allow-list) stays invisible, the workspace not.
+  env_dir = tmp_path / "env"
+  (env_dir / "pkg").mkdir(parents=True)
+  (env_dir / "pkg" / "gold.py").write_text("answer")
+  (env_dir / "other.py").write_text("visible")
+  store = tempfile.mkdtemp(prefix="cj-store-", dir="/var/tmp")
+  try:
+    ws = os.path.join(store, "ws")
+    os.makedirs(os.path.join(ws, "hidden_copy"))
+    with open(os.path.join(ws, "hidden_copy", "gold.py"), "w") as f:
+      f.write("answer")
+    with open(os.path.join(store, "gold.py"), "w") as f:
+      f.write("answer")
+    sb = Sandbox(ws, ro_binds=[str(env_dir)],
+                 hide=[str(env_dir / "pkg"), store, os.path.join(ws, "hidden_copy")])
+    r = sb.run(f"cat {env_dir}/other.py; ls {env_dir}/pkg; cat {env_dir}/pkg/gold.py; "
+               f"cat {store}/gold.py; cat hidden_copy/gold.py; echo ws > ws.txt")
+    assert "visible" in r.output and "answer" not in r.output
+    assert open(os.path.join(ws, "ws.txt")).read() == "ws\n"
+  finally:
+    shutil.rmtree(store, ignore_errors=True)
 
 
 def test_timeout_kills_the_process_group(tmp_path):
@@ -83,3 +101,11 @@ def test_cli_sandbox_exec(tmp_path, capsys):
   assert main(["sandbox", "exec", "--workspace", str(tmp_path / "missing"), "--", "true"]) == 2
   assert main(["sandbox", "exec", "--workspace", str(tmp_path), "--timeout", "0.5", "--",
                "sleep", "10"]) == 124
+  # overrides as every other command takes them (before --), and --set as an alias
+  capsys.readouterr()
+  assert main(["sandbox", "exec", "--workspace", str(tmp_path), "env.sandbox=off", "env.timeout_s=0.5",
+               "--", "sleep", "10"]) == 124
+  assert "rlimits only" in capsys.readouterr().err
+  assert main(["sandbox", "exec", "--workspace", str(tmp_path), "--set", "env.sandbox=off", "--",
+               "true"]) == 0
+  assert "rlimits only" in capsys.readouterr().err
