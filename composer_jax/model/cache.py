@@ -37,7 +37,7 @@ class LayerCache:
   def max_len(self) -> int:
     return self.c.shape[1]
 
-  def write(self, c_new: jax.Array, kpe_new: jax.Array, n_new: jax.Array | None = None) -> "LayerCache":
+  def write(self, c_new: jax.Array, kpe_new: jax.Array, n_new: jax.Array | None = None) -> LayerCache:
     """Write the first ``n_new[b]`` of the s new entries of each row at ``index[b]`` (all s if None).
 
     Entries that would land past the buffer are dropped, never clamped onto earlier tokens; callers
@@ -65,12 +65,12 @@ class Cache:
   def max_len(self) -> int:
     return self.layers[0].max_len
 
-  def with_index(self, index) -> "Cache":
+  def with_index(self, index) -> Cache:
     """The same buffers with every layer's row lengths set to ``index`` [b] (host-tracked lengths)."""
     index = jnp.asarray(index, jnp.int32)
     return Cache(tuple(lc.replace(index=index) for lc in self.layers))
 
-  def with_view(self, view: int) -> "Cache":
+  def with_view(self, view: int) -> Cache:
     """Attention reads only the first ``view`` slots (static: one trace per view)."""
     if not 0 <= view <= self.max_len:
       raise ValueError(f"cache view {view} outside [0, {self.max_len}]")

@@ -11,7 +11,6 @@ from flax import nnx
 from composer_jax.model import init_cache, routing
 from composer_jax.model.cache import bucket, check_room
 from composer_jax.model.moe import dropless_moe, gathered_moe, moe_dispatch
-
 from tests.model.test_numerics import close, make
 
 
@@ -80,7 +79,7 @@ def test_overflow_is_refused_in_one_line(setup):
 def test_gathered_dispatch_equals_grouped_matmul(setup):
   """The small-batch dispatch (per-pair gathered weights) against the training grouped matmul and a
   float64 NumPy sum over experts: 1e-5 relative, float32."""
-  cfg, model, _ = setup
+  _, model, _ = setup
   layer = model.layers[1].mlp
   w = [getattr(layer, n)[...] for n in ("w_gate", "w_up", "w_down")]
   rs = np.random.RandomState(3)
@@ -92,7 +91,7 @@ def test_gathered_dispatch_equals_grouped_matmul(setup):
   close(moe_dispatch(x, ids, gate, *w), small, rtol=0)  # 18 pairs: the dispatcher takes the gather
   close(moe_dispatch(x, ids, gate, *w, max_gather_pairs=0), dropless_moe(x, ids, gate, *w), rtol=0)
   xd, wd = np.asarray(x, np.float64), [np.asarray(a, np.float64) for a in w]
-  silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+  silu = lambda v: v / (1 + np.exp(-v))
   want = np.stack([sum(gate[t, j] * (silu(xd[t] @ wd[0][e]) * (xd[t] @ wd[1][e])) @ wd[2][e]
                        for j, e in enumerate(np.asarray(ids[t]))) for t in range(6)])
   close(small, want, rtol=1e-5)

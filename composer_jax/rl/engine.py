@@ -1,0 +1,289 @@
+"""The rollout engine: continuous batching over a fixed number of cache slots, token in, token out.
+
+Every model call is one *mixed* batch over all ``n_slots`` rows: a row that is prefilling feeds its
+next chunk of turn tokens (up to ``prefill_chunk``), a generating row feeds its last sampled token, an
+idle row (waiting on tools, or free) feeds nothing. Rows are ragged (composer_jax.model.cache): each
+writes only its own valid tokens at its own length, so one call serves every live episode and a
+freed slot is refilled while the others keep decoding. Shapes are static per bucket: tokens
+[n_slots, S] with S = 1 (pure decode) or a power of two >= 16, and attention reads a power-of-two
+``view`` >= the longest filled row. Only the changed row lengths travel host -> device; the cache
+buffers are donated and updated in place.
+
+An episode (``Request.key``) keeps its slot and cache between turns. The last token of a turn is
+sampled but never fed; the next turn feeds it first, then its ``new_tokens`` (so an episode's
+``context_tokens``, concatenated over its turns, plus the last turn's final token, are exactly the
+sequence the model read and wrote). Per fed token the engine records the routed experts of every
+MoE layer (router replay); per generated token its log-prob (see composer_jax.rl.sampling) and the
+weight version that produced it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import time
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from composer_jax.config import Config, ConfigError
+from composer_jax.model.cache import Cache, bucket, check_room, init_cache
+from composer_jax.rl.sampling import sample
+
+MIN_VIEW = 64  # smallest attention bucket (fewer traces for short contexts)
+
+
+@dataclasses.dataclass
+class Request:
+  """One assistant turn of one episode."""
+  key: Hashable  # episode id; the first request for a key claims a free slot
+  new_tokens: list[int]  # appended to the episode's context before generating
+  max_new_tokens: int
+  stop_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Generation:
+  key: Hashable
+  tokens: np.ndarray  # int32 [n] generated ids, the stop token included when it stopped
+  logprobs: np.ndarray  # float32 [n] log_softmax(logits / T)[id] over the full vocabulary
+  context_experts: np.ndarray  # [len(context_tokens), n_moe_layers, k] int8 (E <= 128) or int16
+  context_tokens: np.ndarray  # int32: the tokens fed to the model during this request, in order
+  version: int  # weight version of this turn (the oldest, if weights changed mid-turn)
+  finish: str  # "stop" | "length" | "context" (cache full)
+  token_versions: np.ndarray | None = None  # int32 [n] version that produced each generated id
+
+
+def expert_dtype(n_experts: int):
+  """Smallest signed int holding every expert id and -1 (= no route): int8 up to 128 experts."""
+  return np.int8 if n_experts <= 128 else np.int16
+
+
+@dataclasses.dataclass
+class _Slot:
+  key: Hashable | None = None
+  filled: int = 0  # tokens in this slot's cache
+  carry: int | None = None  # the previous turn's final token, sampled but not yet fed
+  req: Request | None = None
+  order: int = 0  # submission number of the active request
+  todo: list = dataclasses.field(default_factory=list)  # turn tokens still to prefill
+  fed: list = dataclasses.field(default_factory=list)
+  experts: list = dataclasses.field(default_factory=list)  # [n_fed_in_call, n_moe, k] per call
+  out: list = dataclasses.field(default_factory=list)
+  logp: list = dataclasses.field(default_factory=list)
+  vers: list = dataclasses.field(default_factory=list)
+
+
+class Engine:
+  """Batched prefill + decode over the latent cache for many episodes (see the module docstring)."""
+
+  def __init__(self, graphdef, params, rest, cfg: Config, *, n_slots: int, max_len: int,
+               seed: int = 0, version: int = 0, mesh=None, prefill_chunk: int = 512):
+    m = cfg.model
+    if n_slots < 1:
+      raise ConfigError(f"rl.decode_batch={n_slots}: the engine needs at least one slot")
+    if max_len < 2:
+      raise ConfigError(f"rl.max_context={max_len}: too short to hold a prompt and a token")
+    if cfg.rl.top_p <= 0 or cfg.rl.top_p > 1:
+      raise ConfigError(f"rl.top_p={cfg.rl.top_p} must be in (0, 1]")
+    if cfg.rl.top_k < 0:
+      raise ConfigError(f"rl.top_k={cfg.rl.top_k} must be >= 0 (0 = whole vocabulary)")
+    self.cfg, self.n_slots, self.max_len = cfg, n_slots, max_len
+    self.prefill_chunk = max(16, min(prefill_chunk, max_len))
+    self.graphdef, self.params, self.rest, self.version = graphdef, params, rest, version
+    self.mesh = mesh
+    self.n_moe, self.k = m.n_moe_layers, m.n_experts_per_tok
+    self.edtype = expert_dtype(m.n_routed_experts)
+    self._key = jax.random.PRNGKey(seed)
+    self._slots = [_Slot() for _ in range(n_slots)]
+    self._slot_of: dict = {}
+    self._pending: collections.deque = collections.deque()
+    self._submitted = 0
+    self._done: list[Generation] = []
+    with self._context():
+      self._bufs = tuple((lc.c, lc.k_pe) for lc in init_cache(m, n_slots, max_len).layers)
+    self._fn = jax.jit(self._forward, static_argnames=("view",), donate_argnums=(2,))
+    self.stats = collections.Counter(tokens_decoded=0, prefill_tokens=0, steps=0, seconds=0.0,
+                                     generations=0)
+
+  # -- the jitted call ----------------------------------------------------------------------------
+
+  def _forward(self, params, rest, bufs, index, tokens, counts, key, *, view):
+    """One mixed call: rows feed counts[b] tokens; returns the cache buffers, a sampled id and its
+    log-prob at each row's last fed token, and the routed experts of every fed position."""
+    model = nnx.merge(self.graphdef, params, rest)
+    from composer_jax.model.cache import LayerCache
+    cache = Cache(tuple(LayerCache(c=c, k_pe=kpe, index=index, view=view) for c, kpe in bufs))
+    seg = (jnp.arange(tokens.shape[1])[None] < counts[:, None]).astype(jnp.int32)
+    out = model(tokens, segment_ids=seg, cache=cache, return_routing=self.n_moe > 0, mtp=False,
+                logit_positions=jnp.maximum(counts - 1, 0))
+    rl = self.cfg.rl
+    ids, logp = sample(out.logits[:, 0], key, rl.temperature, rl.top_k, rl.top_p)
+    routed = (out.routed_experts.astype(self.edtype) if self.n_moe
+              else jnp.zeros((0,) + tokens.shape + (self.k,), self.edtype))
+    return tuple((lc.c, lc.k_pe) for lc in out.cache.layers), ids, logp, routed
+
+  def _context(self):
+    if self.mesh is None or self.mesh.size == 1:
+      return contextlib.nullcontext()
+    from composer_jax.parallel.rules import activate, make_rules
+    return activate(self.mesh, make_rules(self.cfg.mesh.rules), ep_strategy=self.cfg.mesh.ep_strategy)
+
+  # -- public API ---------------------------------------------------------------------------------
+
+  def set_weights(self, params, rest, version: int) -> None:
+    """New weights from the next model call on (caches built by older weights are kept)."""
+    self.params, self.rest, self.version = params, rest, version
+
+  def submit(self, req: Request) -> None:
+    if req.max_new_tokens < 1:
+      raise ValueError(f"request {req.key!r}: max_new_tokens={req.max_new_tokens} must be >= 1")
+    if req.key not in self._slot_of and not req.new_tokens:
+      raise ValueError(f"request {req.key!r}: the first turn of an episode needs new_tokens")
+    self._pending.append((self._submitted, req))
+    self._submitted += 1
+
+  def release(self, key) -> None:
+    """The episode is over: its slot (and cache) becomes free."""
+    i = self._slot_of.pop(key, None)
+    if i is None:
+      return
+    if self._slots[i].req is not None:
+      raise ValueError(f"release({key!r}) while its turn is still generating")
+    self._slots[i] = _Slot()
+
+  def free_slots(self) -> int:
+    return sum(s.key is None for s in self._slots)
+
+  def busy(self) -> bool:
+    return bool(self._pending) or any(s.req is not None for s in self._slots)
+
+  def run(self, requests: list[Request]) -> list[Generation]:
+    """Submit all, step until all finish; generations in submission order."""
+    first = self._submitted
+    for r in requests:
+      self.submit(r)
+    got: dict[int, Generation] = {}
+    while len(got) < len(requests):
+      before = len(got)
+      for order, g in self._step_ordered():
+        if order >= first:
+          got[order] = g
+      if len(got) == before and not self.busy():
+        raise RuntimeError("engine idle with requests unfinished")
+      if len(got) == before and not any(s.req is not None for s in self._slots) and self._pending:
+        raise RuntimeError("every slot is held by an episode that is not generating: release some")
+    return [got[o] for o in sorted(got)]
+
+  def step(self) -> list[Generation]:
+    """Admit pending turns, then one model call for every row with tokens to feed."""
+    return [g for _, g in self._step_ordered()]
+
+  # -- internals ----------------------------------------------------------------------------------
+
+  def _admit(self) -> None:
+    waiting = collections.deque()
+    while self._pending:
+      order, req = self._pending.popleft()
+      i = self._slot_of.get(req.key)
+      if i is None:
+        free = [j for j, s in enumerate(self._slots) if s.key is None]
+        if not free:
+          waiting.append((order, req))
+          continue
+        i = free[0]
+        self._slots[i].key = req.key
+        self._slot_of[req.key] = i
+      slot = self._slots[i]
+      if slot.req is not None:  # the episode's previous turn is still generating
+        waiting.append((order, req))
+        continue
+      todo = ([slot.carry] if slot.carry is not None else []) + [int(t) for t in req.new_tokens]
+      slot.req, slot.order = req, order
+      slot.fed, slot.experts, slot.out, slot.logp, slot.vers = [], [], [], [], []
+      if slot.filled + len(todo) > self.max_len:  # the turn cannot be read: the episode is cut
+        self._finish(slot, "context")
+        continue
+      slot.carry, slot.todo = None, todo
+    self._pending = waiting
+
+  def _finish(self, slot: _Slot, reason: str) -> None:
+    n_fed = len(slot.fed)
+    experts = (np.concatenate(slot.experts, 0) if slot.experts
+               else np.zeros((0, self.n_moe, self.k), self.edtype))
+    assert experts.shape[0] == n_fed
+    vers = np.asarray(slot.vers, np.int32)
+    gen = Generation(key=slot.req.key, tokens=np.asarray(slot.out, np.int32),
+                     logprobs=np.asarray(slot.logp, np.float32), context_experts=experts,
+                     context_tokens=np.asarray(slot.fed, np.int32),
+                     version=int(vers.min()) if vers.size else self.version, finish=reason,
+                     token_versions=vers)
+    if slot.out:
+      slot.carry = slot.out[-1]
+    self._done.append((slot.order, gen))
+    slot.req, slot.todo, slot.experts = None, [], []
+    self.stats["generations"] += 1
+
+  def _step_ordered(self) -> list[tuple[int, Generation]]:
+    t0 = time.perf_counter()
+    self._admit()
+    feeds = []
+    for s in self._slots:
+      if s.req is None:
+        feeds.append([])
+      elif s.todo:
+        feeds.append(s.todo[: self.prefill_chunk])
+      else:
+        feeds.append([s.out[-1]])
+    width = max(len(f) for f in feeds)
+    if width:
+      self._call(feeds, width)
+      self.stats["seconds"] += time.perf_counter() - t0
+    done, self._done = self._done, []
+    return done
+
+  def _call(self, feeds: list[list[int]], width: int) -> None:
+    s = 1 if width == 1 else bucket(width, self.prefill_chunk)
+    counts = np.array([len(f) for f in feeds], np.int32)
+    index = np.array([sl.filled for sl in self._slots], np.int32)
+    check_room(index, counts, self.max_len)
+    tokens = np.zeros((self.n_slots, s), np.int32)
+    for r, f in enumerate(feeds):
+      tokens[r, : len(f)] = f
+    view = bucket(int((index + counts).max()), self.max_len, MIN_VIEW)
+    self._key, sub = jax.random.split(self._key)
+    with self._context():
+      self._bufs, ids, logp, routed = self._fn(self.params, self.rest, self._bufs, jnp.asarray(index),
+                                               jnp.asarray(tokens), jnp.asarray(counts), sub, view=view)
+    ids, logp, routed = np.asarray(ids), np.asarray(logp), np.asarray(routed)
+    self.stats["steps"] += 1
+    for r, (slot, f) in enumerate(zip(self._slots, feeds)):
+      n = len(f)
+      if not n:
+        continue
+      slot.fed += f
+      slot.experts.append(routed[:, r, :n].transpose(1, 0, 2))
+      slot.filled += n
+      if slot.todo:  # prefilling: the turn's tokens
+        slot.todo = slot.todo[n:]
+        self.stats["prefill_tokens"] += n
+        if slot.todo:
+          continue  # more chunks to come; this row's sample is meaningless
+      self._append(slot, int(ids[r]), float(logp[r]))
+
+  def _append(self, slot: _Slot, tok: int, lp: float) -> None:
+    slot.out.append(tok)
+    slot.logp.append(lp)
+    slot.vers.append(self.version)
+    self.stats["tokens_decoded"] += 1
+    req = slot.req
+    if tok in req.stop_ids:
+      self._finish(slot, "stop")
+    elif len(slot.out) >= req.max_new_tokens:
+      self._finish(slot, "length")
+    elif slot.filled >= self.max_len:  # no room to feed this token: the episode is cut
+      self._finish(slot, "context")
