@@ -408,7 +408,7 @@ def _wait_exit(proc: subprocess.Popen, timeout: float) -> bool:
   try:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
-    return bool(poller.poll(max(0, int(timeout * 1000))))
+    return bool(poller.poll(min(max(0, int(timeout * 1000)), 2**31 - 1)))
   finally:
     os.close(fd)
 
