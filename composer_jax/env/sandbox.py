@@ -302,8 +302,8 @@ def _cgroup_base() -> str | None:
       continue
     if rel is None or not _under(rel, [root]):
       continue
-    here = os.path.join(point, os.path.relpath(rel, root)).rstrip("/.")
-    base = os.path.join(here or point, "composer_jax_sandbox")
+    base = os.path.join(os.path.normpath(os.path.join(point, os.path.relpath(rel, root))),
+                        "composer_jax_sandbox")
     try:
       os.makedirs(base, exist_ok=True)
       if fstype == "cgroup2":

@@ -51,7 +51,8 @@ def test_hidden_paths_are_empty(tmp_path):
     r = sb.run(f"cat {env_dir}/other.py; ls {env_dir}/pkg; cat {env_dir}/pkg/gold.py; "
                f"cat {store}/gold.py; cat hidden_copy/gold.py; echo ws > ws.txt")
     assert "visible" in r.output and "answer" not in r.output
-    assert open(os.path.join(ws, "ws.txt")).read() == "ws\n"
+    with open(os.path.join(ws, "ws.txt")) as f:
+      assert f.read() == "ws\n"
   finally:
     shutil.rmtree(store, ignore_errors=True)
 

@@ -12,8 +12,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -78,7 +76,9 @@ def planted(demo_tasks):
   gold = os.path.join(task.gold_dir, task.gold_files[0])
   paths["gold"] = gold
   paths["other_task"] = os.path.join(load_tasks(demo_tasks[0])[-1].path, "task.json")
-  yield secret, paths, open(gold).read()
+  with open(gold) as f:
+    gold_text = f.read()
+  yield secret, paths, gold_text
   for d in made:
     shutil.rmtree(d, ignore_errors=True)
   shutil.rmtree(os.path.join(DEFAULT_CACHE, f"cj-abuse-{tag}"), ignore_errors=True)
@@ -156,7 +156,7 @@ def test_writes_outside_the_workspace_do_not_reach_the_host(tmp_path):
              f"/tmp/cj-w-{tag}", os.path.join(CHECKOUT, f"cj-w-{tag}"),
              os.path.join(sbm.interpreter_paths()[0], f"cj-w-{tag}"), f"/usr/cj-w-{tag}"]
   sb = Sandbox(str(tmp_path), QUICK, mode="required")
-  r = sb.run("; ".join(f"echo x > {t}" for t in targets) + "; echo done > ok")
+  sb.run("; ".join(f"echo x > {t}" for t in targets) + "; echo done > ok")
   try:
     assert (tmp_path / "ok").read_text() == "done\n"
     assert not [t for t in targets if os.path.exists(t)]
