@@ -66,9 +66,9 @@ class Cache:
     return self.layers[0].max_len
 
   def with_index(self, index) -> Cache:
-    """The same buffers with every layer's row lengths set to ``index`` [b] (host-tracked lengths)."""
-    index = jnp.asarray(index, jnp.int32)
-    return Cache(tuple(lc.replace(index=index) for lc in self.layers))
+    """The same buffers with every layer's row lengths set to ``index`` [b] (host-tracked lengths).
+    One array per layer, so the cache can be donated to a jitted call (no buffer donated twice)."""
+    return Cache(tuple(lc.replace(index=jnp.array(index, jnp.int32)) for lc in self.layers))
 
   def with_view(self, view: int) -> Cache:
     """Attention reads only the first ``view`` slots (static: one trace per view)."""
