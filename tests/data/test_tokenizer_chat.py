@@ -109,6 +109,8 @@ def test_sft_mask_covers_exactly_the_assistant_tokens(tok):
     ids2 += i
     mask2 += k
   assert ids2 == ids.tolist() and mask2 == mask.tolist()
+  # The sampler opens a turn with generation_prompt(): the very header SFT encodes for assistants.
+  assert chat.render_segments([TRAJ[4]])[0] == (chat.generation_prompt(), False)
 
 
 def test_tool_calls_parse_back():

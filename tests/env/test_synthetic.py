@@ -120,7 +120,8 @@ def _with_body(task, body: str) -> dict:
 
 
 @pytest.mark.parametrize("hack", ["exit0_at_import", "os_exit_at_import", "always_equal",
-                                  "visible_cases_only", "runner_rewritten", "new_test_file"])
+                                  "visible_cases_only", "runner_rewritten", "new_test_file",
+                                  "endless_loop"])
 def test_runner_resists_hacks(level_tasks, tmp_path, hack):
   task = _implement_task(level_tasks)
   rel = task.gold_files[0]
@@ -143,6 +144,8 @@ def test_runner_resists_hacks(level_tasks, tmp_path, hack):
     src = read_text(os.path.join(task.workspace_dir, rel))
     head = src.split(f"def {fn}(")[0]
     overlay = {rel: head + f"def {fn}(*args):\n{body}    return None\n"}
+  elif hack == "endless_loop":
+    overlay = _with_body(task, "    while True:\n        pass")
   elif hack == "runner_rewritten":
     overlay = {RUNNER_PATH: "import sys\nopen(sys.argv[1], 'w').write('<testsuite/>')\n"}
   else:  # a new test file that would pass
@@ -155,6 +158,9 @@ def test_runner_resists_hacks(level_tasks, tmp_path, hack):
     assert any("hidden" in t for t in r.details["failed_tests"])
   if hack == "os_exit_at_import":
     assert not r.details["report_found"]
+  if hack == "endless_loop":  # each test is stopped by the runner's alarm; the report is complete
+    assert r.details["report_consistent"] and r.details["seconds"] < 8
+    assert set(r.details["failed_tests"].values()) == {"error"}
   if hack == "new_test_file":
     assert r.details["removed_new_test_files"] == ["test_zz.py"]
 

@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 
-PER_TEST_S = 5
+PER_TEST_S = 1  # the tests are a few arithmetic checks; a loop must not eat the grade budget
 
 
 class TestTimeout(Exception):
