@@ -12,7 +12,12 @@ import pytest
 from composer_jax.data import chat
 from composer_jax.data.sft import encode_chat, read_trajectories
 from composer_jax.env import synthetic
-from composer_jax.env.episode import NullPolicy, OraclePolicy, run_episode, system_prompt
+from composer_jax.env.episode import (
+  NullPolicy,
+  OraclePolicy,
+  run_episode,
+  system_prompt,
+)
 from composer_jax.env.expert import ExpertPolicy, expert_trajectories, replacements
 from composer_jax.env.protocol import parse
 from composer_jax.env.synthetic import TEMPLATES

@@ -11,7 +11,13 @@ import pytest
 
 from composer_jax.env import synthetic
 from composer_jax.env.grading import grade
-from composer_jax.env.synthetic import TEMPLATES, SyntheticError, content_hash, instance_split, instances
+from composer_jax.env.synthetic import (
+  TEMPLATES,
+  SyntheticError,
+  content_hash,
+  instance_split,
+  instances,
+)
 from composer_jax.env.synthetic.runner import RUNNER_PATH
 from composer_jax.env.tasks import load_task, read_text, write_text
 
@@ -45,7 +51,7 @@ def test_generation_is_deterministic_and_varied():
   a = instances(12, seed=0)
   b = instances(12, seed=0)
   c = instances(12, seed=1)
-  key = lambda insts: [content_hash(i) for i in insts]  # noqa: E731
+  key = lambda insts: [content_hash(i) for i in insts]
   assert key(a) == key(b)
   assert len(set(key(a))) == 12 and not set(key(a)) & set(key(c))
   # Templates are taken in turn, so a set covers every training template.

@@ -19,7 +19,7 @@ import os
 import random
 import shutil
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 from composer_jax.env.synthetic import templates as T
 from composer_jax.env.synthetic.runner import RUNNER_PATH, RUNNER_SOURCE, TEST_COMMAND

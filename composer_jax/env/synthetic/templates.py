@@ -191,7 +191,7 @@ def run_steps(sources: dict, steps: list) -> list:
         if kind == "stmt":
           exec(code, ns)  # noqa: S102
         else:
-          out.append(eval(code, ns))  # noqa: S307
+          out.append(eval(code, ns))
       except Exception as e:  # noqa: BLE001 - a broken variant just differs
         if kind == "check":
           out.append(f"<{type(e).__name__}>")
@@ -387,8 +387,8 @@ def _method_spec(rng: random.Random, attr: str, d: int, words: bool):
     return (f"Add {amount} to self.{attr}, then return self.{attr}.",
             [f"self.{attr} += {expr_text(chain)}", f"return self.{attr}"], chain)
   cmp, op, c = rng.choice(list(CMPS)), rng.choice(["+", "-", "*"]), rng.randint(2, 9)
-  return (f"If n is {CMPS[cmp]} self.{attr}, set self.{attr} to n {OPS[op]} {c}. "
-          f"Return self.{attr}.",
+  doc = f"If n is {CMPS[cmp]} self.{attr}, set self.{attr} to n {OPS[op]} {c}. Return self.{attr}."
+  return (doc,
           [f"if n {cmp} self.{attr}:", f"    self.{attr} = n {op} {c}", f"return self.{attr}"], None)
 
 
@@ -529,13 +529,13 @@ def rename(rng: random.Random, d: int) -> Instance:
   a_b = module(function_src(old, [arg], doc, [f"return {expr_text(chain)}"]))
   a_a = module(function_src(new, [arg], doc, [f"return {expr_text(chain)}"]))
   op, c = rng.choice(["+", "-", "*"]), rng.randint(2, 9)
-  if d == 1:
-    udoc, ubody = f"Return the helper's result for {arg}, {OPS[op]} {c}.", "{f}(%s) %s %d" % (arg, op, c)
-  else:
-    udoc = f"Combine the helper's results for {arg} and {arg} + 1."
-    ubody = "{f}(%s) %s {f}(%s + 1)" % (arg, op, arg)
-  b_src = lambda f: module(function_src(user, [arg], udoc, ["return " + ubody.format(f=f)]),  # noqa: E731
-                           header=f"from {amod} import {f}")
+  udoc = (f"Return the helper's result for {arg}, {OPS[op]} {c}." if d == 1
+          else f"Combine the helper's results for {arg} and {arg} + 1.")
+
+  def b_src(f: str) -> str:
+    call = f"{f}({arg}) {op} {c}" if d == 1 else f"{f}({arg}) {op} {f}({arg} + 1)"
+    return module(function_src(user, [arg], udoc, [f"return {call}"]), header=f"from {amod} import {f}")
+
   before, after = {amod: a_b, bmod: b_src(old)}, {amod: a_a, bmod: b_src(new)}
   vis_new = flat(call_steps(new, [arg])(rng) for _ in range(2))
   vis_user = flat(call_steps(user, [arg])(rng) for _ in range(2))
