@@ -39,6 +39,7 @@ through ``require_isolation`` (or ``Sandbox(model_driven=True)``), which refuses
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import itertools
@@ -340,28 +341,52 @@ def _cgroup_pids(path: str) -> list[int]:
 
 
 def _kill_cgroup(path: str) -> None:
-  """SIGKILL every process in the call's cgroup until none is left (the pids cap bounds a race)."""
-  for _ in range(200):
-    pids = _cgroup_pids(path)
+  """SIGKILL every process in the call's cgroup, again for any forked meanwhile (the pids cap bounds
+  that race; a killed process cannot fork). Those still exiting are left to the kernel."""
+  sent: set[int] = set()
+  for _ in range(1000):
+    pids = [p for p in _cgroup_pids(path) if p not in sent]
     if not pids:
       return
     for pid in pids:
+      sent.add(pid)
       try:
         os.kill(pid, signal.SIGKILL)
       except (ProcessLookupError, PermissionError):
         pass
-    time.sleep(0.001)
 
 
-def _remove_cgroup(path: str) -> None:
-  for _ in range(50):
+def _remove_cgroup(path: str, wait: bool = True) -> bool:
+  for _ in range(50 if wait else 1):
     try:
       os.rmdir(path)
-      return
+      return True
     except FileNotFoundError:
-      return
+      return True
     except OSError:  # busy while a killed process is still exiting
-      time.sleep(0.005)
+      if wait:
+        time.sleep(0.005)
+  return False
+
+
+_PENDING: list[str] = []  # call cgroups whose last processes were still exiting
+
+
+def _release_cgroup(path: str) -> None:
+  """Remove the call's cgroup without waiting; busy ones are retried on later calls and at exit."""
+  _PENDING.append(path)
+  for p in list(_PENDING):
+    if _remove_cgroup(p, wait=False):
+      try:
+        _PENDING.remove(p)
+      except ValueError:
+        pass
+
+
+@atexit.register
+def _release_pending() -> None:
+  for p in list(_PENDING):
+    _remove_cgroup(p)
 
 
 def _sweep_stale(base: str) -> None:
@@ -567,7 +592,7 @@ class Sandbox:
         proc.wait()
     if cgroup:
       _kill_cgroup(cgroup)
-      _remove_cgroup(cgroup)
+      _release_cgroup(cgroup)
     elif not self.use_bwrap:
       _kill_marked(f"COMPOSER_JAX_SANDBOX_CALL={marker}".encode())
     if private:
