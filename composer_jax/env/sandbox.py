@@ -58,6 +58,7 @@ from typing import Sequence
 
 _BWRAP_OK: bool | None = None
 _WARNED = False
+_NOTED_OFF = False
 INSTALL_HINT = "install bubblewrap (apt-get install -y bubblewrap) on a host with user namespaces"
 
 
@@ -477,6 +478,8 @@ class Sandbox:
                            "or set env.sandbox=auto (scripted policies only)")
       else:
         _warn_fallback()
+    else:
+      _note_off()
 
   @staticmethod
   def which(name: str) -> str | None:
@@ -609,3 +612,11 @@ def _warn_fallback() -> None:
           "policies and trusted set-up may run like this; model-driven runs refuse. Install it\n"
           f"(apt-get install -y bubblewrap) or set env.sandbox=required to refuse.\n{bar}",
           file=sys.stderr)
+
+
+def _note_off() -> None:
+  global _NOTED_OFF
+  if not _NOTED_OFF:
+    _NOTED_OFF = True
+    print("composer-jax: env.sandbox=off: commands run with rlimits only (no bubblewrap); for scripted "
+          "policies and trusted set-up only", file=sys.stderr)
