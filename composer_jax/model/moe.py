@@ -67,7 +67,7 @@ def expert_ffn(xs, group_sizes, w_gate, w_up, w_down, *, impl: str, precision: s
 
 
 def dropless_moe(x, expert_ids, weights, w_gate, w_up, w_down, *, impl: str = "auto",
-                 precision: str = "bf16"):
+                 precision: str = "bf16", block_rows: int | None = None):
   """Single-shard routed experts: x [T,d], expert_ids/weights [T,k] -> [T,d].
 
   Tokens go straight into the block layout sorted by expert (one gather), both expert products run
@@ -76,19 +76,23 @@ def dropless_moe(x, expert_ids, weights, w_gate, w_up, w_down, *, impl: str = "a
   """
   n_tok, k = expert_ids.shape
   order, inverse, group_sizes = sort_by_expert(expert_ids, w_gate.shape[0])
-  plan = plan_rows(group_sizes, n_tok * k, impl=impl, precision=precision)
+  plan = plan_rows(group_sizes, n_tok * k, impl=impl, precision=precision, block_rows=block_rows)
   row_pair, pair_row = pair_maps(order, inverse, plan.layout)
   yp = _ffn_on_blocks(gather_tokens(x, row_pair, pair_row, k), plan, w_gate, w_up, w_down)
   y = from_blocks(yp.astype(x.dtype), row_pair, pair_row).reshape(n_tok, k, -1)
   return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
 
 
-# Up to this many (token, slot) pairs (or E, if more) per call the MoE multiplies each pair by its
-# own gathered expert weights instead of sorting into the grouped-matmul block layout. The layout pads every
-# expert's group to whole blocks (~ceil(m/bm) + E blocks: 2,000+ rows on GPU for one decode step of 8
-# tokens, tens of thousands for K2); the gather reads exactly the m weight matrices it uses. Decode
-# (a few tokens per slot) takes the gather, prefill and training the layout.
+# Decode dispatch. The training block layout pads every expert's group to whole blocks (~ceil(m/bm)
+# + E blocks: 2,000+ rows on GPU for one decode step of 8 tokens, ~50,000 for K2's 384 experts).
+# Few pairs instead multiply each (token, slot) pair by its own gathered expert weights: no padding,
+# but the gather materialises pairs x 3 x d x f weights, so it is bounded by pairs and by bytes. Past
+# either bound, decode keeps the grouped matmul, with DECODE_BLOCK_ROWS-row blocks while the groups
+# average a few rows (padding E x 16 rows instead of E x 128 on the GPU/TPU kernels). Prefill and
+# training keep the default layout.
 GATHER_MAX_PAIRS = 64
+GATHER_MAX_BYTES = 1 << 30
+DECODE_BLOCK_ROWS = 16
 
 
 def gathered_moe(x, expert_ids, weights, w_gate, w_up, w_down):
@@ -101,13 +105,23 @@ def gathered_moe(x, expert_ids, weights, w_gate, w_up, w_down):
 
 def moe_dispatch(x, expert_ids, weights, w_gate, w_up, w_down, *, impl: str = "auto",
                  precision: str = "bf16", max_gather_pairs: int | None = None):
-  """Single-shard routed experts, dispatch chosen by row count (static): few rows -> per-pair
-  gathered weights; many -> the sorted grouped matmul. Quantized recipes always take the grouped
-  matmul, whose operands are fake-quantized as in training."""
-  limit = max(GATHER_MAX_PAIRS, w_gate.shape[0]) if max_gather_pairs is None else max_gather_pairs
-  if precision == "bf16" and expert_ids.size <= limit:
+  """Single-shard routed experts, dispatch chosen by row count (static). ``max_gather_pairs`` None is
+  decode: few pairs -> per-pair gathered weights, more -> grouped matmul on small blocks; 0 is
+  training (the default layout always). Quantized recipes always take the grouped matmul, whose
+  operands are fake-quantized as in training."""
+  pairs = expert_ids.size
+  if max_gather_pairs is None:
+    gathered = 3 * pairs * w_gate.shape[1] * w_gate.shape[2] * w_gate.dtype.itemsize
+    if precision == "bf16" and pairs <= GATHER_MAX_PAIRS and gathered <= GATHER_MAX_BYTES:
+      return gathered_moe(x, expert_ids, weights, w_gate, w_up, w_down)
+    small = precision == "bf16" and pairs <= 8 * w_gate.shape[0]  # groups of a few rows on average
+    block_rows = DECODE_BLOCK_ROWS if small else None
+  elif precision == "bf16" and pairs <= max_gather_pairs:
     return gathered_moe(x, expert_ids, weights, w_gate, w_up, w_down)
-  return dropless_moe(x, expert_ids, weights, w_gate, w_up, w_down, impl=impl, precision=precision)
+  else:
+    block_rows = None
+  return dropless_moe(x, expert_ids, weights, w_gate, w_up, w_down, impl=impl, precision=precision,
+                      block_rows=block_rows)
 
 
 class MoE(nnx.Module):

@@ -90,6 +90,11 @@ def test_gathered_dispatch_equals_grouped_matmul(setup):
   close(small, dropless_moe(x, ids, gate, *w), rtol=1e-5)
   close(moe_dispatch(x, ids, gate, *w), small, rtol=0)  # 18 pairs: the dispatcher takes the gather
   close(moe_dispatch(x, ids, gate, *w, max_gather_pairs=0), dropless_moe(x, ids, gate, *w), rtol=0)
+  # Past the gather bound (90 pairs > 64) decode keeps the grouped matmul, on 16-row blocks.
+  xl = jnp.asarray(rs.randn(30, 32), jnp.float32)
+  idl = jnp.asarray(np.stack([rs.choice(8, 3, replace=False) for _ in range(30)]), jnp.int32)
+  gl = jnp.asarray(rs.rand(30, 3), jnp.float32)
+  close(moe_dispatch(xl, idl, gl, *w), dropless_moe(xl, idl, gl, *w), rtol=1e-6)
   xd, wd = np.asarray(x, np.float64), [np.asarray(a, np.float64) for a in w]
   silu = lambda v: v / (1 + np.exp(-v))
   want = np.stack([sum(gate[t, j] * (silu(xd[t] @ wd[0][e]) * (xd[t] @ wd[1][e])) @ wd[2][e]
