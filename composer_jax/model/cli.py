@@ -23,13 +23,13 @@ def run(args) -> int:
   from composer_jax.model import count_params
   counts = count_params(cfg)
   if args.sharding:
-    from composer_jax.parallel.plan import sharding_plan
+    from composer_jax.train.plan import sharding_plan
     plan = sharding_plan(cfg, n_devices=args.devices or None)
     if args.json:
       print(json.dumps({**counts, "sharding": plan}))
     else:
       print_counts(counts)
-      from composer_jax.parallel.plan import format_plan
+      from composer_jax.train.plan import format_plan
       print(format_plan(plan))
     return 0
   if args.json:

@@ -5,11 +5,25 @@ rules read): every parameter with two or more dims except those with a ``vocab``
 output head, which Muon handles badly). Expert weights ``[exp, in, out]`` are a batch of matrices,
 orthogonalised independently. Muon updates are scaled to AdamW's RMS (Moonlight's 0.2·sqrt(max dim))
 so both groups share one learning rate and schedule.
+
+Mixed precision (``optim.master_dtype``). With ``model.param_dtype: bfloat16`` the model's weights
+are bf16 (what the forward pass, the sampler, eval and HF export read), but an update of 1e-4 of a
+weight's size vanishes when added to a bf16 weight (8 bits of mantissa). So by default
+(``master_dtype: float32``) the optimizer keeps the recipe of mixed-precision training:
+  * ``MasterState.master``: a float32 master copy of every parameter, sharded like it;
+  * the inner optimizer's state (AdamW moments, Muon momentum) is initialised from the master copy,
+    so it is float32 too;
+  * each step the gradients (bf16, or float32 sums under accumulation) are cast to float32, the
+    inner optimizer updates the master copy, and the bf16 weights are recomputed as
+    ``master.astype(bf16)`` (never ``bf16 + update``); QK-clip rescales the master copy.
+Bytes per parameter: 2 (bf16 weights) + 4 (master) + 8 (AdamW) = 14, or 2 + 4 + 4 = 10 with Muon on
+a matrix. ``master_dtype: none`` updates the parameters in their own dtype (moments in that dtype
+too: cheaper, lossy). With float32 parameters there is nothing to keep and no ``MasterState``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -91,32 +105,95 @@ def build_optimizer(cfg: OptimConfig, total_steps: int, params: Any,
                               consistent_rms=0.2, nesterov=True)
     inner = optax.multi_transform({"muon": muon, "adam": adamw}, labels)
   parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
-  return optax.chain(*parts, inner)
+  tx = optax.chain(*parts, inner)
+  return with_master(tx, cfg.master_dtype) if needs_master(cfg, params) else tx
+
+
+class MasterState(NamedTuple):
+  master: Any  # float32 copy of the parameters
+  inner: Any  # the wrapped optimizer's state (initialised from the master copy)
+
+
+def _floating(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def needs_master(cfg: OptimConfig, params: Any) -> bool:
+  """Whether ``cfg.master_dtype`` asks for a master copy of these (possibly abstract) params."""
+  if cfg.master_dtype == "none":
+    return False
+  want = jnp.dtype(cfg.master_dtype)
+  return any(_floating(x) and jnp.finfo(x.dtype).bits < jnp.finfo(want).bits
+             for x in jax.tree.leaves(params))
+
+
+def with_master(inner: optax.GradientTransformation, dtype: str) -> optax.GradientTransformation:
+  """Wrap ``inner`` so it updates a ``dtype`` master copy; see the module docstring.
+
+  ``update`` returns the updates that take the parameters to ``master.astype(param dtype)``;
+  ``apply`` (below) sets the parameters to exactly that instead of adding.
+  """
+  dt = jnp.dtype(dtype)
+  up = lambda t: jax.tree.map(lambda x: x.astype(dt) if _floating(x) else x, t)
+
+  def init(params):
+    master = up(params)
+    return MasterState(master, inner.init(master))
+
+  def update(grads, state, params=None):
+    u, inner_state = inner.update(up(grads), state.inner, state.master)
+    master = optax.apply_updates(state.master, u)
+    if params is None:
+      return u, MasterState(master, inner_state)
+    delta = jax.tree.map(lambda m, p: (m.astype(p.dtype) - p), master, params)
+    return delta, MasterState(master, inner_state)
+
+  return optax.GradientTransformation(init, update)
+
+
+def apply(tx: optax.GradientTransformation, grads: Any, opt_state: Any,
+          params: Any) -> tuple[Any, Any]:
+  """One optimizer update: (new params, new state). With a master copy, the parameters become the
+  rounded master copy (adding a bf16 difference could round differently)."""
+  updates, opt_state = tx.update(grads, opt_state, params)
+  if isinstance(opt_state, MasterState):
+    return cast_like(opt_state.master, params), opt_state
+  return optax.apply_updates(params, updates), opt_state
+
+
+def cast_like(src: Any, like: Any) -> Any:
+  return jax.tree.map(lambda s, p: s.astype(p.dtype), src, like)
+
+
+def state_owners(abstract_params: Any, abstract_state: Any) -> list:
+  """For each optimizer-state leaf (``tree_leaves_with_path`` order), the index of the parameter it
+  belongs to, or None (counts, schedule state). A state leaf belongs to a parameter when its key
+  path ends with that parameter's key path (e.g. ``...mu['layers'][0]['w']``) and the shapes agree;
+  the longest such path wins."""
+  by_path = {_path_key(path): (i, leaf.shape)
+             for i, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(abstract_params))}
+  owners = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_state):
+    owner = None
+    for j in range(len(path)):
+      hit = by_path.get(_path_key(path[j:]))
+      if hit is not None and hit[1] == leaf.shape:
+        owner = hit[0]
+        break
+    owners.append(owner)
+  return owners
 
 
 def state_shardings(tx: optax.GradientTransformation, abstract_params: Any,
                     param_shardings: Any, replicated: Any) -> Any:
-  """Optimizer-state shardings: every parameter-shaped leaf sharded like its parameter.
-
-  A state leaf belongs to a parameter when its key path ends with that parameter's key path (e.g.
-  ``...mu['layers'][0]['w']``) and the shapes agree; counts, schedules and the like are replicated.
-  """
+  """Optimizer-state shardings: every parameter-shaped leaf sharded like its parameter (see
+  ``state_owners``); counts, schedules and the like are replicated."""
   abstract_state = jax.eval_shape(tx.init, abstract_params)
   is_sh = lambda x: isinstance(x, jax.sharding.Sharding)
   shardings = jax.tree.leaves(param_shardings, is_leaf=is_sh)
-  by_path = {}
-  for (path, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(abstract_params), shardings):
-    by_path[_path_key(path)] = (leaf.shape, sh)
-
-  def one(path, leaf):
-    key = _path_key(path)
-    best = None
-    for pkey, (shape, sh) in by_path.items():
-      if key.endswith(pkey) and shape == leaf.shape and (best is None or len(pkey) > len(best[0])):
-        best = (pkey, sh)
-    return best[1] if best else replicated
-
-  return jax.tree_util.tree_map_with_path(one, abstract_state)
+  owners = state_owners(abstract_params, abstract_state)
+  leaves = [shardings[o] if o is not None else replicated for o in owners]
+  return jax.tree.unflatten(jax.tree.structure(abstract_state), leaves)
 
 
 def qk_clip_scales(max_logits: jax.Array, tau: float) -> tuple[jax.Array, jax.Array]:

@@ -27,6 +27,7 @@ from flax import nnx
 from composer_jax.config import Config
 from composer_jax.model import lm_loss
 from composer_jax.model.routing import update_router_bias
+from composer_jax.train import optim
 from composer_jax.train.optim import qk_clip_scales
 
 
@@ -150,24 +151,31 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
               jnp.full(m_shape[2].shape, -jnp.inf, jnp.float32), jnp.zeros((), jnp.float32))
       (g_sum, m_sum, l_sum, head_max, tok), _ = jax.lax.scan(body, init, mbs)
       denom = jnp.maximum(tok, 1.0)
-      grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
+      # With a float32 master copy the float32 mean goes to the optimizer as it is.
+      keep32 = isinstance(state["opt_state"], optim.MasterState)
+      grads = jax.tree.map(lambda g, p: g / denom if keep32 else (g / denom).astype(p.dtype),
+                           g_sum, params)
       metrics = jax.tree.map(lambda m: m / denom, m_sum)
       metrics["tokens"] = tok
       loads = l_sum / n
       loss = metrics["loss"]
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state["opt_state"], params)
-    params = optax.apply_updates(params, updates)
-    update_bias = bool(loads.size) and mcfg.bias_update_rate > 0
-    if update_bias or qk_clip:
+    params, opt_state = optim.apply(tx, grads, state["opt_state"], params)
+    if qk_clip:  # on the master copy when there is one (the weights are its rounding)
+      master = isinstance(opt_state, optim.MasterState)
+      model = nnx.merge(graphdef, opt_state.master if master else params, rest)
+      apply_qk_clip(model, head_max, qk_clip)
+      clipped = split_model(model)[1]
+      if master:
+        opt_state = opt_state._replace(master=clipped)
+        clipped = optim.cast_like(clipped, params)
+      params = clipped
+    if bool(loads.size) and mcfg.bias_update_rate > 0:
       model = nnx.merge(graphdef, params, rest)
-      if update_bias:
-        for i, moe in enumerate(model.moe_modules()):
-          moe.router_bias[...] = update_router_bias(moe.router_bias[...], loads[i],
-                                                    mcfg.bias_update_rate)
-      if qk_clip:
-        apply_qk_clip(model, head_max, qk_clip)
-      _, params, rest = split_model(model)
+      for i, moe in enumerate(model.moe_modules()):
+        moe.router_bias[...] = update_router_bias(moe.router_bias[...], loads[i],
+                                                  mcfg.bias_update_rate)
+      rest = split_model(model)[2]
     rng = jax.random.split(jax.random.wrap_key_data(state["rng"]))[0]
     new_state = {"params": params, "rest": rest, "opt_state": opt_state,
                  "step": state["step"] + 1, "rng": jax.random.key_data(rng)}
