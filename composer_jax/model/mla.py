@@ -9,50 +9,22 @@ directly.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from composer_jax.config import ModelConfig
+from composer_jax.model.attention import (
+  NEG_INF,
+  attention,
+  attention_mask,
+  masked_softmax,
+)
 from composer_jax.model.layers import KeySeq, Linear, RMSNorm, apply_rope, softmax_scale
+from composer_jax.parallel.context import context_attention
 from composer_jax.parallel.rules import active, constrain
 
-NEG_INF = -1e30
-
-
-def attention_mask(q_pos_idx, k_pos_idx, q_seg=None, k_seg=None, k_valid=None):
-  """Boolean [b, 1, sq, sk]: causal by index, same segment, and (decoding) key slot written."""
-  mask = q_pos_idx[:, :, None] >= k_pos_idx[:, None, :]
-  if q_seg is not None:
-    mask &= q_seg[:, :, None] == k_seg[:, None, :]
-  if k_valid is not None:
-    mask &= k_valid[:, None, :]
-  return mask[:, None]
-
-
-@jax.custom_vjp
-def masked_softmax(scores, mask):
-  """Softmax over the keys ``mask`` allows; rows with no valid key (padding) give zeros, not NaN.
-
-  A custom VJP because the [b, h, q, k] tensor is the largest of the attention: the forward is one
-  max and one exp/sum pass, the backward ``p * (g - sum(g * p))`` (masked entries have p = 0), with
-  no select / softmax / select chain to transpose.
-  """
-  return _masked_softmax_fwd(scores, mask)[0]
-
-
-def _masked_softmax_fwd(scores, mask):
-  top = jnp.max(jnp.where(mask, scores, NEG_INF), axis=-1, keepdims=True)
-  e = jnp.where(mask, jnp.exp(scores - top), 0.0)
-  probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), jnp.finfo(e.dtype).tiny)
-  return probs, probs
-
-
-def _masked_softmax_bwd(probs, g):
-  return probs * (g - jnp.sum(g * probs, axis=-1, keepdims=True)), None
-
-
-masked_softmax.defvjp(_masked_softmax_fwd, _masked_softmax_bwd)
+# The mask and masked softmax live with the training attention; decoding (absorbed) uses them too.
+__all__ = ["MLA", "NEG_INF", "attention_mask", "masked_softmax"]
 
 
 class MLA(nnx.Module):
@@ -104,30 +76,31 @@ class MLA(nnx.Module):
     if cache is not None:
       return self.absorbed(x, cos, sin, cache, seg)
     cfg = self.cfg
-    b, s, _ = x.shape
     q_nope, q_pe = self._query(x, cos, sin)
     c, k_pe = self._latent(x, cos, sin)
-    kv = self.kv_b(c)  # [b, s, h, nope + v]
-    k_nope, v = kv[..., : cfg.qk_nope_dim], kv[..., cfg.qk_nope_dim:]
     mesh, _ = active()
     if mesh is not None and mesh.shape.get("context", 1) > 1:  # sequence sharded: balanced CP
-      from composer_jax.parallel.context import context_attention
-      o = context_attention(q_nope, q_pe, k_nope, k_pe, v, seg, self.scale)
+      # gathers the latent (kv_lora_rank + rope per token), expands K/V on each device
+      w = self.kv_b.w[...].astype(self.kv_b.compute_dtype)
+      o = context_attention(q_nope, q_pe, c.astype(w.dtype), k_pe, w, seg, self.scale,
+                            local=self._attend)
       return self._out(o), None
-    # One [b,h,q,k] product over the concatenated nope | rope dims (the shared rope key broadcast
-    # to every head), with the softmax scale folded into q: a separate head-less rope einsum made
-    # XLA:CPU transpose the whole score tensor forward and backward, the dominant attention cost.
-    q = jnp.concatenate([q_nope, q_pe], axis=-1) * jnp.asarray(self.scale, q_nope.dtype)
+    kv = self.kv_b(c)  # [b, s, h, nope + v]
+    k_nope, v = kv[..., : cfg.qk_nope_dim], kv[..., cfg.qk_nope_dim:]
+    return self._out(self._attend(q_nope, q_pe, k_nope, k_pe, v, seg)), None
+
+  def _attend(self, q_nope, q_pe, k_nope, k_pe, v, seg):
+    """Causal segment attention over the concatenated nope | rope dims (the shared rope key
+    broadcast to every head): one q.k product, as the dense path always took."""
+    cfg = self.cfg
+    q = jnp.concatenate([q_nope, q_pe], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], k_nope.shape[:3] + k_pe.shape[-1:])],
                         axis=-1)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    idx = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
-    mask = attention_mask(idx, idx, seg, seg)
+    o, top = attention(q, k, v, seg, scale=self.scale, impl=cfg.attention_impl,
+                       block=cfg.attention_block, with_max_logit=self.record_max_logit)
     if self.record_max_logit:  # per-head max attention logit for QK-clip (MuonClip)
-      self.sow(nnx.Intermediate, "max_logit", jnp.max(jnp.where(mask, scores, NEG_INF), axis=(0, 2, 3)))
-    probs = masked_softmax(scores, mask).astype(v.dtype)
-    o = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-    return self._out(o), None
+      self.sow(nnx.Intermediate, "max_logit", top)
+    return o
 
   def absorbed(self, x, cos, sin, cache, seg=None):
     """Decode/prefill: attend over the cached latent with the up-projections absorbed.

@@ -4,7 +4,11 @@ Activations keep the plain layout (device i holds the i-th contiguous chunk of e
 everything outside attention — position-wise layers, the loss and its shifted targets, MTP — is
 untouched. Only the attention core runs inside ``shard_map``:
 
-1. Keys and values are all-gathered over ``context`` (for MLA they are small: one shared RoPE key).
+1. The MLA *latent* is all-gathered over ``context``: the normed ``kv_lora_rank`` vector and the
+   shared RoPE key, 576 numbers per token for K2 against 64 x (128 + 128) = 16,384 for the expanded
+   per-head keys and values. Each device expands the key blocks it needs with ``kv_b`` locally (a
+   few % of the attention FLOPs); the backward is a reduce-scatter of the latent's gradient, and
+   ``kv_b``'s gradient is summed over the devices.
 2. Causal work is balanced with the zigzag split: the sequence is cut into ``2n`` half-chunks and
    device d attends for half-chunks ``d`` and ``2n-1-d`` (an early and a late one), which need
    ``d+1`` and ``2n-d`` key blocks — ``2n+1`` blocks of ``c x c`` scores on every device, against
@@ -15,7 +19,8 @@ untouched. Only the attention core runs inside ``shard_map``:
    pairs of each query half (a shared max and denominator), so the result equals the dense one.
 
 Causality is by index in the packed row and keys must share the query's segment, as in
-``composer_jax.model.mla.attention_mask``; rows with no valid key give zeros.
+``composer_jax.model.attention``; rows with no valid key give zeros. This module imports nothing
+from ``composer_jax.model`` (the model calls it; the dependency runs one way).
 """
 
 from __future__ import annotations
@@ -55,11 +60,20 @@ def pair_plan(halves: jax.Array, n: int):
   return slot, block
 
 
-def _balanced_body(q_nope, q_pe, k_nope, k_pe, v, seg, *, scale, cp_axes, n):
+def _expand(c, w, dn):
+  """Latent [..., r] through kv_b [r, h, dn + dv] -> (k_nope [..., h, dn], v [..., h, dv])."""
+  kv = jnp.einsum("...r,rhd->...hd", c, w)
+  return kv[..., :dn], kv[..., dn:]
+
+
+def _balanced_body(q_nope, q_pe, c_lat, k_pe, w_kv, seg, *, scale, cp_axes, n, vary):
   b, L = q_nope.shape[:2]
   c = L // 2
+  dn = q_nope.shape[-1]
   perm0, perm1 = _owner_perms(n)
   inv = lambda p: [(j, i) for i, j in p]
+  if vary:  # kv_b meets different tokens on each of these shards: its gradient sums over them
+    w_kv = jax.lax.pcast(w_kv, vary, to="varying")
 
   def to_owner(x):  # [b, L, ...] -> [b, 2, c, ...] holding this device's (even, odd) halves
     x0 = jax.lax.ppermute(x[:, :c], cp_axes, perm0)
@@ -74,11 +88,12 @@ def _balanced_body(q_nope, q_pe, k_nope, k_pe, v, seg, *, scale, cp_axes, n):
   halves = jnp.asarray(zigzag_halves(n), jnp.int32)[me]  # [2]
   slot, block = pair_plan(halves, n)
   qn, qp, qs = to_owner(q_nope), to_owner(q_pe), to_owner(seg)
-  kn, kp, vv, ks = gather(k_nope), gather(k_pe), gather(v), gather(seg)
+  cl, kp, ks = gather(c_lat), gather(k_pe), gather(seg)  # the latent travels, not K/V
   q_idx = halves[:, None] * c + jnp.arange(c)[None]  # [2, c] index in the packed row
   k_idx = jnp.arange(2 * n * c).reshape(2 * n, c)
   qn, qp, qs, qi = qn[:, slot], qp[:, slot], qs[:, slot], q_idx[slot]  # [b, P, c, ...]
-  kn, kp, vv, ks, ki = kn[:, block], kp[:, block], vv[:, block], ks[:, block], k_idx[block]
+  cl, kp, ks, ki = cl[:, block], kp[:, block], ks[:, block], k_idx[block]
+  kn, vv = _expand(cl, w_kv, dn)  # [b, P, c, h, *]
   scores = (jnp.einsum("bpqhd,bpkhd->bphqk", qn, kn, preferred_element_type=jnp.float32)
             + jnp.einsum("bpqhd,bpkd->bphqk", qp, kp, preferred_element_type=jnp.float32)) * scale
   mask = (qi[None, :, :, None] >= ki[None, :, None, :]) & (qs[..., :, None] == ks[..., None, :])
@@ -93,50 +108,60 @@ def _balanced_body(q_nope, q_pe, k_nope, k_pe, v, seg, *, scale, cp_axes, n):
   o = jnp.einsum("bphqk,bpkhd->bpqhd", e.astype(vv.dtype), vv, preferred_element_type=jnp.float32)
   o = jnp.einsum("bpqhd,ps->bsqhd", o, onehot)  # [b, 2, c, h, dv]
   d = jnp.transpose(denom, (0, 1, 3, 2))[..., None]  # [b, 2, cq, h, 1]
-  o = jnp.where(d > 0, o / jnp.where(d > 0, d, 1.0), 0.0).astype(v.dtype)
+  o = jnp.where(d > 0, o / jnp.where(d > 0, d, 1.0), 0.0).astype(vv.dtype)
   o0 = jax.lax.ppermute(o[:, 0], cp_axes, inv(perm0))
   o1 = jax.lax.ppermute(o[:, 1], cp_axes, inv(perm1))
   return jnp.concatenate([o0, o1], axis=1)
 
 
 def dense_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale):
-  """The unsharded computation (the reference, and the fallback when the sequence cannot split)."""
-  from composer_jax.model.mla import attention_mask, masked_softmax
+  """The unsharded computation over expanded keys and values (the reference)."""
   b, s = q_nope.shape[:2]
   scores = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
             + jnp.einsum("bqhd,bkd->bhqk", q_pe, k_pe, preferred_element_type=jnp.float32))
-  idx = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
-  probs = masked_softmax(scores * scale, attention_mask(idx, idx, seg, seg)).astype(v.dtype)
-  return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+  idx = jnp.arange(s)
+  mask = jnp.broadcast_to(idx[:, None] >= idx[None, :], (b, s, s))
+  if seg is not None:
+    mask = mask & (seg[:, :, None] == seg[:, None, :])
+  probs = jax.nn.softmax(jnp.where(mask[:, None], scores * scale, NEG_INF), axis=-1)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
 
 
-def context_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale: float, mesh=None, rules=None):
-  """Causal attention of q [b,s,h,*] over k/v [b,s,(h),*] with the sequence sharded over context.
+def context_attention(q_nope, q_pe, c, k_pe, w_kv, seg, scale: float, mesh=None, rules=None,
+                      local=None):
+  """Causal attention with the sequence sharded over context, from the MLA latent.
 
-  Falls back to ``dense_attention`` when no context axis is active or s does not split into 2n.
+  q_nope/q_pe [b,s,h,*]; c [b,s,r] the normed latent; k_pe [b,s,rope] (roped); w_kv [r,h,dn+dv]
+  the key/value up-projection. Where no context axis is active or s does not split into 2n, K/V are
+  expanded here and ``local(q_nope, q_pe, k_nope, k_pe, v, seg)`` runs (default: dense_attention).
   """
   if mesh is None:
     mesh, rules = active()
-  if mesh is None:
-    return dense_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale)
   b, s = q_nope.shape[:2]
-  spec = spec_for(("act_batch", "act_seq", "act_heads", None), q_nope.shape, mesh, rules,
-                  what="attention", strict=False)
-  cp_axes = spec[1] if isinstance(spec[1], tuple) else ((spec[1],) if spec[1] else ())
-  n = 1
-  for a in cp_axes:
-    n *= mesh.shape[a]
+  n, cp_axes, spec = 1, (), None
+  if mesh is not None:
+    spec = spec_for(("act_batch", "act_seq", "act_heads", None), q_nope.shape, mesh, rules,
+                    what="attention", strict=False)
+    cp_axes = spec[1] if isinstance(spec[1], tuple) else ((spec[1],) if spec[1] else ())
+    for a in cp_axes:
+      n *= mesh.shape[a]
   if n == 1 or s % (2 * n):
+    k_nope, v = _expand(c, w_kv, q_nope.shape[-1])
+    if local is not None:
+      return local(q_nope, q_pe, k_nope, k_pe, v, seg)
     return dense_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale)
   if seg is None:
     seg = jnp.ones((b, s), jnp.int32)
   q_spec = spec
-  kpe_spec = P(spec[0], spec[1], None)
+  lat_spec = P(spec[0], spec[1], None)
   seg_spec = P(spec[0], spec[1])
+  w_spec = P(None, spec[2], None)
+  axes_of = lambda e: e if isinstance(e, tuple) else ((e,) if e else ())
+  vary = axes_of(spec[0]) + cp_axes
 
   def body(*args):
-    return _balanced_body(*args, scale=scale, cp_axes=cp_axes, n=n)
+    return _balanced_body(*args, scale=scale, cp_axes=cp_axes, n=n, vary=vary)
 
-  fn = jax.shard_map(body, mesh=mesh, in_specs=(q_spec, q_spec, q_spec, kpe_spec, q_spec, seg_spec),
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(q_spec, q_spec, lat_spec, lat_spec, w_spec, seg_spec),
                      out_specs=q_spec)
-  return fn(q_nope, q_pe, k_nope, k_pe, v, seg.astype(jnp.int32))
+  return fn(q_nope, q_pe, c, k_pe, w_kv, seg.astype(jnp.int32))

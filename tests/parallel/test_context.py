@@ -1,6 +1,9 @@
-"""Load-balanced context-parallel attention against a float64 NumPy reference."""
+"""Load-balanced context-parallel attention (latent gathered, K/V expanded per device) against a
+float64 NumPy reference."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +23,13 @@ B, S, H = 4, 32, 4
 SCALE = 0.3
 
 
-def numpy_attention(qn, qp, kn, kp, v, seg):
-  qn, qp, kn, kp, v = (np.asarray(a, np.float64) for a in (qn, qp, kn, kp, v))
+R, DN, DV = 12, 8, 6
+
+
+def numpy_attention(qn, qp, c, kp, w, seg):
+  qn, qp, c, kp, w = (np.asarray(a, np.float64) for a in (qn, qp, c, kp, w))
+  kv = np.einsum("bsr,rhd->bshd", c, w)
+  kn, v = kv[..., :DN], kv[..., DN:]
   seg = np.asarray(seg)
   s = (np.einsum("bqhd,bkhd->bhqk", qn, kn) + np.einsum("bqhd,bkd->bhqk", qp, kp)) * SCALE
   idx = np.arange(S)
@@ -37,7 +45,13 @@ def inputs():
   f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
   seg = np.where(np.arange(S)[None] < r.integers(3, S - 3, (B, 1)), 1, 2).astype(np.int32)
   seg[0, -4:] = 0  # padding: attends within the padding, as the model's mask does
-  return f(B, S, H, 8), f(B, S, H, 4), f(B, S, H, 8), f(B, S, 4), f(B, S, H, 6), jnp.asarray(seg)
+  w = f(R, H, DN + DV) * 0.3
+  return f(B, S, H, DN), f(B, S, H, 4), f(B, S, R), f(B, S, 4), w, jnp.asarray(seg)
+
+
+def reference(qn, qp, c, kp, w, seg):
+  kv = jnp.einsum("bsr,rhd->bshd", c, w)
+  return dense_attention(qn, qp, kv[..., :DN], kp, kv[..., DN:], seg, SCALE)
 
 
 def test_zigzag_balances_causal_work():
@@ -51,15 +65,37 @@ def test_zigzag_balances_causal_work():
                                   {"data": 2, "context": 2, "tensor": 2}],
                          ids=lambda a: "_".join(f"{k}{v}" for k, v in a.items()))
 def test_matches_numpy(axes):
-  qn, qp, kn, kp, v, seg = inputs()
+  qn, qp, c, kp, w, seg = inputs()
   mesh = build_mesh(MeshConfig(**{"data": 1, **axes}))
   fn = lambda *a: context_attention(*a, seg, SCALE)
+  args = (qn, qp, c, kp, w)
   with activate(mesh, make_rules()):
-    out = jax.jit(fn)(qn, qp, kn, kp, v)
-    g = jax.jit(jax.grad(lambda *a: (fn(*a) ** 2).sum(), argnums=(0, 1, 2, 3, 4)))(qn, qp, kn, kp, v)
-  np.testing.assert_allclose(np.asarray(out, np.float64), numpy_attention(qn, qp, kn, kp, v, seg),
+    out = jax.jit(fn)(*args)
+    g = jax.jit(jax.grad(lambda *a: (fn(*a) ** 2).sum(), argnums=(0, 1, 2, 3, 4)))(*args)
+  np.testing.assert_allclose(np.asarray(out, np.float64), numpy_attention(*args, seg),
                              rtol=1e-5, atol=1e-5)
-  ref = jax.grad(lambda *a: (dense_attention(*a, seg, SCALE) ** 2).sum(), argnums=(0, 1, 2, 3, 4))(
-      qn, qp, kn, kp, v)
-  for a, b in zip(g, ref):
+  ref = jax.grad(lambda *a: (reference(*a, seg) ** 2).sum(), argnums=(0, 1, 2, 3, 4))(*args)
+  for a, b in zip(g, ref):  # includes kv_b's gradient, summed over the devices
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
+
+
+def test_gathers_the_latent_not_expanded_kv():
+  """The only all-gathers inside the context shard_map move [b, s/n, r] / [b, s/n, rope] latents."""
+  qn, qp, c, kp, w, seg = inputs()
+  mesh = build_mesh(MeshConfig(data=1, context=4))
+  with activate(mesh, make_rules()):
+    hlo = jax.jit(lambda *a: context_attention(*a, seg, SCALE)).lower(qn, qp, c, kp, w).as_text()
+  gathers = [ln for ln in hlo.splitlines() if "all_gather" in ln]
+  assert gathers
+  for ln in gathers:  # rank 3 [b, s, r | rope] or rank 2 [b, s] (segment ids): never [b, s, h, d]
+    assert re.fullmatch(r" ?tensor<\d+x\d+(x\d+)?x(f32|i32)>", ln.split("->")[-1]), ln
+
+
+def test_falls_back_to_local_attention_without_context_axis():
+  qn, qp, c, kp, w, seg = inputs()
+  seen = []
+  local = lambda *a: seen.append(1) or dense_attention(*a, SCALE)
+  out = context_attention(qn, qp, c, kp, w, seg, SCALE, local=local)
+  assert seen
+  np.testing.assert_allclose(np.asarray(out, np.float64), numpy_attention(qn, qp, c, kp, w, seg),
+                             rtol=1e-5, atol=1e-5)

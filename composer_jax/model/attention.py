@@ -1,0 +1,384 @@
+"""Causal attention with packed segments: one entry point, one implementation chosen per backend.
+
+``attention(q, k, v, segment_ids, scale=..., impl=...)`` takes q, k [b, s, h, dk] and v [b, s, h, dv]
+(MLA: dk = nope + rope = 192, dv = 128 for K2). A query attends to the keys at or before its index in
+the packed row that carry the same segment id (padding, id 0, attends within the padding, as every
+other segment does). Implementations, chosen by ``model.attention_impl``:
+
+* ``dense``     — the [b, h, s, s] masked softmax: the float32 reference, O(s^2) memory.
+* ``blockwise`` — flash-style in pure JAX with a custom VJP (CPU default): loops over (query block,
+                  key block) pairs with an online softmax, holds one block of scores at a time, never
+                  visits a block above the diagonal, skips blocks the segment ids leave empty, and
+                  recomputes the scores per block backward. Memory O(s) per head.
+* ``splash``    — TPU: splash attention (block-sparse causal mask + segment ids, Pallas/Mosaic).
+                  Any dk, dv; s a multiple of 128.
+* ``pallas_gpu``— GPU: JAX's Pallas Triton flash attention (causal + segment ids). It needs dk == dv:
+                  v is zero-padded to dk (and both to the next power of two inside the kernel), so
+                  MLA pays 2x on the P.V product; s a multiple of 128 (or s < 128).
+* ``cudnn``     — GPU: ``jax.nn.dot_product_attention(implementation="cudnn")``; needs dk == dv (v
+                  padded) and has no segment input, so only unpacked batches (segment_ids None).
+                  (cuDNN >= 9.10 has native MLA dims and packed THD offsets on Hopper, but only
+                  through private JAX entry points.)
+
+``auto`` picks splash on TPU, pallas_gpu on GPU and blockwise elsewhere, and falls back to blockwise
+where the kernel's shape rules do not hold. The per-head maximum logit (QK-clip) comes free out of
+the blockwise forward; the kernels get it from a separate blockwise max pass (no P.V, no gradient).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.parallel.rules import active, spec_for
+
+NEG_INF = -1e30
+IMPLS = ("auto", "dense", "blockwise", "splash", "pallas_gpu", "cudnn")
+
+
+# --------------------------------------------------------------------------------------------------
+# The dense reference (today's path) and its pieces, shared with decoding
+# --------------------------------------------------------------------------------------------------
+
+
+def attention_mask(q_pos_idx, k_pos_idx, q_seg=None, k_seg=None, k_valid=None):
+  """Boolean [b, 1, sq, sk]: causal by index, same segment, and (decoding) key slot written."""
+  mask = q_pos_idx[:, :, None] >= k_pos_idx[:, None, :]
+  if q_seg is not None:
+    mask &= q_seg[:, :, None] == k_seg[:, None, :]
+  if k_valid is not None:
+    mask &= k_valid[:, None, :]
+  return mask[:, None]
+
+
+@jax.custom_vjp
+def masked_softmax(scores, mask):
+  """Softmax over the keys ``mask`` allows; rows with no valid key (padding) give zeros, not NaN.
+
+  A custom VJP because the [b, h, q, k] tensor is the largest of the attention: the forward is one
+  max and one exp/sum pass, the backward ``p * (g - sum(g * p))`` (masked entries have p = 0), with
+  no select / softmax / select chain to transpose.
+  """
+  return _masked_softmax_fwd(scores, mask)[0]
+
+
+def _masked_softmax_fwd(scores, mask):
+  top = jnp.max(jnp.where(mask, scores, NEG_INF), axis=-1, keepdims=True)
+  e = jnp.where(mask, jnp.exp(scores - top), 0.0)
+  probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), jnp.finfo(e.dtype).tiny)
+  return probs, probs
+
+
+def _masked_softmax_bwd(probs, g):
+  return probs * (g - jnp.sum(g * probs, axis=-1, keepdims=True)), None
+
+
+masked_softmax.defvjp(_masked_softmax_fwd, _masked_softmax_bwd)
+
+
+def dense_attention(q, k, v, seg, scale, with_max_logit=False):
+  """[b, h, s, s] scores with the scale folded into q (one product, as the MLA path always did)."""
+  b, s = q.shape[:2]
+  q = q * jnp.asarray(scale, q.dtype)
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+  idx = jnp.broadcast_to(jnp.arange(s)[None], (b, s))
+  mask = attention_mask(idx, idx, seg, seg)
+  probs = masked_softmax(scores, mask).astype(v.dtype)
+  o = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+  if not with_max_logit:
+    return o, None
+  return o, jax.lax.stop_gradient(jnp.max(jnp.where(mask, scores, NEG_INF), axis=(0, 2, 3)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Blockwise (flash-style) attention in pure JAX
+# --------------------------------------------------------------------------------------------------
+# Arrays are blocked as [nb, b, h, bs, d] (segments [nb, b, bs]) so a block is one leading index.
+
+
+def _block_mask(sb, i, j, bs):
+  """[b, 1, bs, bs] mask of (query block i, key block j): causal by index, same segment."""
+  qi = i * bs + jnp.arange(bs)
+  kj = j * bs + jnp.arange(bs)
+  causal = qi[:, None] >= kj[None, :]
+  return (causal[None] & (sb[i][:, :, None] == sb[j][:, None, :]))[:, None]
+
+
+def _visit_plan(sb):
+  """Which (query block i, key block j) pairs to visit, as index lists for the loops.
+
+  A pair is visited if j <= i and, in some row, the segment-id ranges of the two blocks overlap:
+  exact for the non-decreasing ids of packed rows, never skipping a pair with a valid entry
+  otherwise. Returns (keys [nb, nb]: visited j of each i, descending, so the diagonal comes first;
+  n_keys [nb]; queries [nb, nb]: visited i of each j; n_queries [nb]).
+  """
+  nb = sb.shape[0]
+  lo, hi = sb.min(-1), sb.max(-1)  # [nb, b]
+  overlap = ((lo[:, None] <= hi[None, :]) & (lo[None, :] <= hi[:, None])).any(-1)
+  idx = jnp.arange(nb)
+  visit = overlap & (idx[:, None] >= idx[None, :])
+  keys = jnp.argsort(jnp.where(visit, -idx[None, :], nb), axis=1).astype(jnp.int32)
+  queries = jnp.argsort(jnp.where(visit.T, idx[None, :], nb), axis=1).astype(jnp.int32)
+  return keys, visit.sum(1), queries, visit.sum(0)
+
+
+def _fwd_loop(qb, kb, vb, sb):
+  """Online softmax over the visited key blocks of every query block, diagonal first.
+
+  With the diagonal first each row's running max is finite from the start, so masked scores
+  (NEG_INF) exponentiate to exactly 0 without a second select. Returns o [nb,b,h,bs,dv] in v's
+  dtype, the log-sum-exp and the row max [nb, b, h, bs] (float32).
+  """
+  nb, b, h, bs, _ = qb.shape
+  dv = vb.shape[-1]
+  keys, n_keys, _, _ = _visit_plan(sb)
+
+  def q_block(i):
+    q = qb[i]
+
+    def step(t, carry):
+      m, l, acc = carry
+      j = keys[i, t]
+      s = jnp.einsum("bhqd,bhkd->bhqk", q, kb[j], preferred_element_type=jnp.float32)
+      s = jnp.where(_block_mask(sb, i, j, bs), s, NEG_INF)
+      m_new = jnp.maximum(m, s.max(-1))
+      p = jnp.exp(s - m_new[..., None])
+      alpha = jnp.exp(m - m_new)
+      pv = jnp.einsum("bhqk,bhkd->bhqd", p.astype(vb.dtype), vb[j],
+                      preferred_element_type=jnp.float32)
+      return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
+
+    init = (jnp.full((b, h, bs), NEG_INF, jnp.float32), jnp.zeros((b, h, bs), jnp.float32),
+            jnp.zeros((b, h, bs, dv), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, n_keys[i], step, init)
+    l = jnp.maximum(l, jnp.finfo(jnp.float32).tiny)  # the diagonal makes l >= 1; guard anyway
+    return (acc / l[..., None]).astype(vb.dtype), m + jnp.log(l), m
+
+  return jax.lax.map(q_block, jnp.arange(nb))
+
+
+def _bwd_loop(qb, kb, vb, sb, ob, lse, dob):
+  """One pass over (key block j, visited query block i): dk_j and dv_j accumulate in the inner
+  loop, dq in a float32 buffer updated in place; scores are recomputed from the log-sum-exp."""
+  nb, b, h, bs, dk = qb.shape
+  delta = jnp.einsum("nbhqd,nbhqd->nbhq", ob.astype(jnp.float32), dob.astype(jnp.float32))
+  _, _, queries, n_queries = _visit_plan(sb)
+
+  def k_block(j, carry):
+    dq, dkb, dvb = carry
+    k, v = kb[j], vb[j]
+
+    def step(t, inner):
+      dq, dk_j, dv_j = inner
+      i = queries[j, t]
+      q, do = qb[i], dob[i]
+      s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+      p = jnp.exp(jnp.where(_block_mask(sb, i, j, bs), s, NEG_INF) - lse[i][..., None])
+      dv_j = dv_j + jnp.einsum("bhqk,bhqd->bhkd", p.astype(do.dtype), do,
+                               preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bhqd,bhkd->bhqk", do, v, preferred_element_type=jnp.float32)
+      ds = (p * (dp - delta[i][..., None])).astype(q.dtype)
+      dk_j = dk_j + jnp.einsum("bhqk,bhqd->bhkd", ds, q, preferred_element_type=jnp.float32)
+      dq_i = jnp.einsum("bhqk,bhkd->bhqd", ds, k, preferred_element_type=jnp.float32)
+      return dq.at[i].add(dq_i), dk_j, dv_j
+
+    init = (dq, jnp.zeros((b, h, bs, dk), jnp.float32), jnp.zeros((b, h, bs, vb.shape[-1]), jnp.float32))
+    dq, dk_j, dv_j = jax.lax.fori_loop(0, n_queries[j], step, init)
+    return dq, dkb.at[j].set(dk_j), dvb.at[j].set(dv_j)
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  dq, dkb, dvb = jax.lax.fori_loop(0, nb, k_block, (zeros(qb), zeros(kb), zeros(vb)))
+  return dq.astype(qb.dtype), dkb.astype(kb.dtype), dvb.astype(vb.dtype)
+
+
+@jax.custom_vjp
+def _flash(qb, kb, vb, sb):
+  o, _, m = _fwd_loop(qb, kb, vb, sb)
+  return o, m
+
+
+def _flash_fwd(qb, kb, vb, sb):
+  o, lse, m = _fwd_loop(qb, kb, vb, sb)
+  return (o, m), (qb, kb, vb, sb, o, lse)
+
+
+def _flash_bwd(res, g):
+  qb, kb, vb, sb, o, lse = res
+  do, _ = g  # the row max is a statistic (QK-clip), not differentiated
+  dq, dk, dv = _bwd_loop(qb, kb, vb, sb, o, lse, do)
+  return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _to_blocks(x, nb, bs):
+  """[b, s, h, d] -> [nb, b, h, bs, d], the sequence zero-padded to nb * bs."""
+  b, s, h, d = x.shape
+  x = jnp.pad(x, ((0, 0), (0, nb * bs - s), (0, 0), (0, 0)))
+  return x.reshape(b, nb, bs, h, d).transpose(1, 0, 3, 2, 4)
+
+
+def _seg_blocks(seg, b, s, nb, bs):
+  seg = jnp.ones((b, s), jnp.int32) if seg is None else seg.astype(jnp.int32)
+  # padded keys sit after every real query (causally invisible); padded queries are dropped
+  seg = jnp.pad(seg, ((0, 0), (0, nb * bs - s)), constant_values=-1)
+  return seg.reshape(b, nb, bs).transpose(1, 0, 2)
+
+
+def blockwise_attention(q, k, v, seg, scale, block=512, with_max_logit=False):
+  """Flash-style attention in pure JAX; see the module docstring. ``block`` rows per block.
+
+  A sequence that fits one block is one block of scores: the dense product, without the loops.
+  """
+  b, s, h, _ = q.shape
+  if s <= block:
+    return dense_attention(q, k, v, seg, scale, with_max_logit)
+  bs = block
+  nb = -(-s // bs)
+  q = q * jnp.asarray(scale, q.dtype)
+  o, m = _flash(_to_blocks(q, nb, bs), _to_blocks(k, nb, bs), _to_blocks(v, nb, bs),
+                _seg_blocks(seg, b, s, nb, bs))
+  o = o.transpose(1, 0, 3, 2, 4).reshape(b, nb * bs, h, -1)[:, :s]
+  if not with_max_logit:
+    return o, None
+  m = m.transpose(1, 2, 0, 3).reshape(b, h, nb * bs)[:, :, :s]
+  return o, jax.lax.stop_gradient(m.max(axis=(0, 2)))
+
+
+def max_logit(q, k, seg, scale, block=512):
+  """Per-head max of the masked, scaled logits [h], block by block (no P.V, no gradient)."""
+  b, s, h, _ = q.shape
+  bs = min(block, s)
+  nb = -(-s // bs)
+  qb = _to_blocks(jax.lax.stop_gradient(q) * jnp.asarray(scale, q.dtype), nb, bs)
+  kb = _to_blocks(jax.lax.stop_gradient(k), nb, bs)
+  sb = _seg_blocks(seg, b, s, nb, bs)
+
+  def q_block(i):
+    def step(j, m):
+      sc = jnp.einsum("bhqd,bhkd->bhqk", qb[i], kb[j], preferred_element_type=jnp.float32)
+      return jnp.maximum(m, jnp.where(_block_mask(sb, i, j, bs), sc, NEG_INF).max(axis=(0, 2, 3)))
+    return jax.lax.fori_loop(0, i + 1, step, jnp.full((h,), NEG_INF, jnp.float32))
+
+  return jax.lax.map(q_block, jnp.arange(nb)).max(0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Maintained kernels (TPU splash, GPU Pallas/Triton, cuDNN)
+# --------------------------------------------------------------------------------------------------
+
+
+def _kernel_block(s: int, block: int) -> int | None:
+  """A block size the kernels take for sequence length s (a multiple of 128 dividing s), else None."""
+  bs = min(block, s) // 128 * 128
+  while bs >= 128 and s % bs:
+    bs -= 128
+  return bs if bs >= 128 else None
+
+
+def splash(q, k, v, seg, scale, block=512, interpret=False):
+  """TPU splash attention; q, k [b,s,h,dk], v [b,s,h,dv] -> [b,s,h,dv]. dk != dv is supported."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as sa
+  b, s, h, _ = q.shape
+  bs = _kernel_block(s, block)
+  if bs is None:
+    raise ValueError(f"model.attention_impl=splash needs a sequence length that is a multiple of "
+                     f"128 (got {s}); use attention_impl=blockwise or auto")
+  sizes = sa.BlockSizes(block_q=bs, block_kv=bs, block_kv_compute=bs, block_q_dkv=bs,
+                        block_kv_dkv=bs, block_kv_dkv_compute=bs, block_q_dq=bs, block_kv_dq=bs)
+  mask = sa.MultiHeadMask([sa.CausalMask((s, s))] * h)
+  kernel = sa.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
+                              interpret=interpret)
+  seg = jnp.ones((b, s), jnp.int32) if seg is None else seg.astype(jnp.int32)
+  t = lambda x: jnp.swapaxes(x, 1, 2)  # [b, h, s, d]
+  q = q * jnp.asarray(scale, q.dtype)
+  one = lambda q, k, v, sg: kernel(q, k, v, segment_ids=sa.SegmentIds(q=sg, kv=sg))
+  return t(jax.vmap(one)(t(q), t(k), t(v), seg))
+
+
+def pallas_gpu(q, k, v, seg, scale, block=128, interpret=False):
+  """JAX's Pallas (Triton) flash attention with segment ids; v zero-padded to q's head dim."""
+  from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+  s, dk, dv = q.shape[1], q.shape[-1], v.shape[-1]
+  bq = min(block, s) if s < 128 else _kernel_block(s, block)
+  if bq is None or s % bq:
+    raise ValueError(f"model.attention_impl=pallas_gpu needs a sequence length below 128 or a "
+                     f"multiple of 128 (got {s}); use attention_impl=blockwise or auto")
+  vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dk - dv))) if dv < dk else v
+  sizes = gpu_attention.BlockSizes(block_q=bq, block_k=bq, block_q_dkv=min(32, bq),
+                                   block_kv_dkv=min(32, bq), block_q_dq=min(32, bq),
+                                   block_kv_dq=min(32, bq))
+  o = gpu_attention.mha(q, k, vp.astype(q.dtype), None if seg is None else seg.astype(jnp.int32),
+                        sm_scale=scale, causal=True, block_sizes=sizes, interpret=interpret)
+  return o[..., :dv].astype(v.dtype)
+
+
+def cudnn(q, k, v, seg, scale):
+  """cuDNN flash attention through jax.nn; causal only (no segment ids), v padded to dk."""
+  if seg is not None:
+    raise ValueError("model.attention_impl=cudnn cannot take packed segment ids (jax.nn's cuDNN "
+                     "path has no segment input); use attention_impl=pallas_gpu or auto")
+  dk, dv = q.shape[-1], v.shape[-1]
+  vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dk - dv))) if dv < dk else v
+  o = jax.nn.dot_product_attention(q, k, vp.astype(k.dtype), scale=scale, is_causal=True,
+                                   implementation="cudnn")
+  return o[..., :dv].astype(v.dtype)
+
+
+def _per_shard(fn, q, k, v, seg):
+  """Run a kernel per (batch, head) shard of the active mesh: XLA cannot partition a custom call,
+  so without this a sharded batch would be gathered onto every device first."""
+  mesh, rules = active()
+  if mesh is None or mesh.size == 1:
+    return fn(q, k, v, seg)
+  spec = spec_for(("act_batch", None, "act_heads", None), q.shape, mesh, rules, what="attention",
+                  strict=False)
+  b, s = q.shape[:2]
+  seg = jnp.ones((b, s), jnp.int32) if seg is None else seg.astype(jnp.int32)
+  return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, P(spec[0], None)),
+                       out_specs=spec)(q, k, v, seg)
+
+
+# --------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------
+
+
+def resolve_impl(impl: str, s: int, backend: str | None = None) -> str:
+  """The implementation ``impl`` means for sequence length s on ``backend`` (default: JAX's)."""
+  if impl not in IMPLS:
+    raise ValueError(f"model.attention_impl={impl!r}: use one of {list(IMPLS)}")
+  if impl != "auto":
+    return impl
+  backend = backend or jax.default_backend()
+  if backend == "tpu" and s % 128 == 0:
+    return "splash"
+  if backend == "gpu" and (s < 128 or s % 128 == 0):
+    return "pallas_gpu"
+  return "blockwise"
+
+
+def attention(q, k, v, segment_ids=None, *, scale: float, impl: str = "auto", block: int = 512,
+              with_max_logit: bool = False):
+  """Causal, segment-masked attention: q, k [b,s,h,dk], v [b,s,h,dv], segment_ids [b,s] or None.
+
+  Returns (o [b,s,h,dv] in v's dtype, per-head max logit [h] float32 or None). ``block`` is the
+  blockwise/kernel tile along the sequence.
+  """
+  s = q.shape[1]
+  impl = resolve_impl(impl, s)
+  if impl == "dense":
+    return dense_attention(q, k, v, segment_ids, scale, with_max_logit)
+  if impl == "blockwise":
+    return blockwise_attention(q, k, v, segment_ids, scale, block, with_max_logit)
+  if impl == "splash":
+    fn = lambda q, k, v, sg: splash(q, k, v, sg, scale, block)
+  elif impl == "pallas_gpu":
+    fn = lambda q, k, v, sg: pallas_gpu(q, k, v, sg, scale, min(block, 128))
+  else:
+    return (cudnn(q, k, v, segment_ids, scale),
+            max_logit(q, k, segment_ids, scale, block) if with_max_logit else None)
+  o = _per_shard(fn, q, k, v, segment_ids)
+  return o, (max_logit(q, k, segment_ids, scale, block) if with_max_logit else None)
