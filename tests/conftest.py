@@ -10,3 +10,9 @@ if "xla_force_host_platform_device_count" not in _flags:
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Persistent compilation cache: tests that rebuild the same model (a resumed run, an eval after
+# training, the engine in several tests) load the compiled executable instead of compiling again.
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ.get("COMPOSER_JAX_TEST_CACHE", "/tmp/composer_jax_test_jit_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -53,6 +53,7 @@ class _Live:
   summarizing: bool = False
   future: Any = None
   last_prose: int = 0  # prose tokens of the last turn (moved to "final" if that turn submitted)
+  close_turn: bool = False  # the last turn hit max_new_tokens: feed <|im_end|> before the next one
 
 
 class RolloutRunner:
@@ -84,7 +85,8 @@ class RolloutRunner:
 
   def _submit(self, live: _Live, new_tokens: list[int]) -> bool:
     """Feed ``new_tokens`` + the generation prompt and ask for a turn; False if it cannot fit."""
-    new_tokens = list(new_tokens) + self.gen_prompt
+    new_tokens = ([self.im_end] if live.close_turn else []) + list(new_tokens) + self.gen_prompt
+    live.close_turn = False
     room = self.cfg.rl.max_context - len(live.builder) - len(new_tokens)
     if room < 2:
       return False
@@ -107,7 +109,7 @@ class RolloutRunner:
 
   def _start(self, job: Job, pool) -> _Live:
     ep = Episode(job.task, self.limits, self.mode, self.cfg.env.max_turns,
-                 self.cfg.env.verbose_prompt, policy_name="model")
+                 self.cfg.env.verbose_prompt, policy_name="model", tool_docs=self.cfg.env.tool_docs)
     msgs = ep.open()
     counts = dict(reasoning_tokens=0, tool_call_tokens=0, tool_output_tokens=0, final_tokens=0)
     rollout = Rollout(job.task.instance_id, job.group, [], [], ep.traj, counts)
@@ -138,12 +140,13 @@ class RolloutRunner:
     if gen.finish != "stop" and gen.finish != "length":  # cache full: the episode is cut here
       live.rollout.cut = True
       return "end"
-    if gen.finish == "length":  # close the unfinished message so the next turn reads cleanly
-      live.builder.add_context([self.im_end])
+    # An unfinished message is closed (an untrained <|im_end|>) so the next turn reads cleanly.
+    live.close_turn = gen.finish == "length"
     if live.summarizing:
       live.summarizing = False
       live.rollout.summaries += 1
       self._close_segment(live, summary=True)
+      live.close_turn = False  # the next segment starts in a fresh cache
       live.key = (live.key[0], live.key[1] + 1)
       msgs = live.prompt_msgs + [{"role": "user", "content": SUMMARY_PREFIX + text}]
       return "next" if self._submit(live, self._encode(msgs)) else "end"

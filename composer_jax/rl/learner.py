@@ -69,8 +69,11 @@ def score_rollouts(rollouts: list, cfg: Config, ks=(1,)) -> dict:
 
 
 def bucket(n: int, cap: int, floor: int = 64) -> int:
-  """Static length for ``n`` tokens: the next power of two (>= floor), never above ``cap``."""
-  return min(max(floor, 1 << max(0, math.ceil(math.log2(max(n, 1))))), cap)
+  """Static length for ``n`` tokens: a quarter-octave step (at most 4 shapes per doubling, so at most
+  25 % padding and few recompiles), at least ``floor``, never above ``cap``."""
+  n = max(n, floor)
+  step = max(floor // 4, 1 << max(0, math.ceil(math.log2(n)) - 3))
+  return min(-(-n // step) * step, cap)
 
 
 @dataclasses.dataclass

@@ -149,7 +149,10 @@ class RLRun:
     cfg, rl = self.cfg, self.cfg.rl
     m = cfg.model
     rows, where = L.segment_rows(rollouts, stats["advantages"])
-    quantum = max(cfg.train.grad_accum * rl.minibatches, rl.tasks_per_step * rl.group_size)
+    mesh = self.tr.mesh
+    n_batch_shards = int(np.prod([mesh.shape[a] for a in ("data", "fsdp", "expert")]))
+    quantum = int(np.lcm(cfg.train.grad_accum * rl.minibatches * n_batch_shards,
+                         rl.tasks_per_step * rl.group_size))
     n_rows = L.row_count(len(rows), quantum)
     length = L.bucket(max(len(r.tokens) for r in rows), rl.max_context)
     pad = self.tok.pad_id if self.tok.pad_id is not None else 0

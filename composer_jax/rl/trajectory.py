@@ -75,7 +75,9 @@ class SegmentBuilder:
     self.tokens += ids
     self.mask += [1] * len(ids)
     self.logp += [float(x) for x in gen.logprobs]
-    self.versions += [int(gen.version)] * len(ids)
+    per_token = getattr(gen, "token_versions", None)  # weights may change mid-turn
+    self.versions += ([int(v) for v in per_token] if per_token is not None
+                      else [int(gen.version)] * len(ids))
     fed = [int(i) for i in gen.context_tokens]
     if self.tokens[len(self.fed):len(self.fed) + len(fed)] != fed:
       raise AssertionError("sampler context tokens disagree with the recorded sequence "
