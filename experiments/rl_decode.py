@@ -5,8 +5,8 @@
    non-absorbed MLA decode does), (b) a conventional cache holding per-head keys and values
    (n_heads * (qk_head + v_head) numbers per token per layer instead of kv_lora + rope).
 2. The decode-path fixes, before/after, on the bench config at rl.decode_batch rows, 256 tokens
-   filled of an rl.max_context cache: attention over the whole cache vs a bucketed view; the training
-   grouped-matmul block layout vs the gathered small-batch MoE dispatch.
+   filled of a 4096-slot cache: attention over the whole cache vs a bucketed view; the training
+   grouped-matmul block layout vs the per-pair small-batch MoE dispatch.
 3. Engine rollout tokens/s (continuous batching, 2x as many episodes as slots) on tiny and bench.
 
     python -m experiments.rl_decode [--quick]
@@ -156,15 +156,15 @@ def bench_4k(cfg, model, batch, iters, ctx=4096):
 
 
 def bench_fixes(cfg, model, iters):
-  b, max_len, fill = cfg.rl.decode_batch, cfg.rl.max_context, 256
+  b, max_len, fill = cfg.rl.decode_batch, 4096, 256  # a long-context RL cache, early in the episode
   view = bucket(fill + 1, max_len, 64)
   orig = moe_mod.moe_dispatch
 
   def grouped_only(*a, **k):
-    return orig(*a, **{**k, "max_gather_pairs": 0})
+    return orig(*a, **{**k, "per_pair_max": 0})
 
   res = {"batch": b, "max_len": max_len, "filled": fill, "view": view}
-  for name, v, gmm in (("before", 0, True), ("view_only", view, True), ("gather_only", 0, False),
+  for name, v, gmm in (("before", 0, True), ("view_only", view, True), ("per_pair_only", 0, False),
                        ("after", view, False)):
     moe_mod.moe_dispatch = grouped_only if gmm else orig
     try:

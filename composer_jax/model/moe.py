@@ -85,39 +85,42 @@ def dropless_moe(x, expert_ids, weights, w_gate, w_up, w_down, *, impl: str = "a
 
 # Decode dispatch. The training block layout pads every expert's group to whole blocks (~ceil(m/bm)
 # + E blocks: 2,000+ rows on GPU for one decode step of 8 tokens, ~50,000 for K2's 384 experts).
-# Few pairs instead multiply each (token, slot) pair by its own gathered expert weights: no padding,
-# but the gather materialises pairs x 3 x d x f weights, so it is bounded by pairs and by bytes. Past
-# either bound, decode keeps the grouped matmul, with DECODE_BLOCK_ROWS-row blocks while the groups
-# average a few rows (padding E x 16 rows instead of E x 128 on the GPU/TPU kernels). Prefill and
-# training keep the default layout.
-GATHER_MAX_PAIRS = 64
-GATHER_MAX_BYTES = 1 << 30
+# Up to PER_PAIR_MAX (token, slot) pairs instead loop over the pairs, each multiplied by its own
+# expert's matrices (a dynamic index, no copy of every pair's weights: gathering them all up front
+# materialised pairs x 3 x d x f numbers and measured 2-4x slower on CPU). Past that, decode keeps
+# the grouped matmul, with DECODE_BLOCK_ROWS-row blocks while the groups average a few rows (E x 16
+# padding rows instead of E x 128 on the GPU/TPU kernels). Prefill and training keep the default.
+PER_PAIR_MAX = 64
 DECODE_BLOCK_ROWS = 16
 
 
-def gathered_moe(x, expert_ids, weights, w_gate, w_up, w_down):
-  """Small-batch routed experts: x [T,d], expert_ids/weights [T,k] -> [T,d] by per-pair weights."""
-  g, u, dn = (jnp.take(w, expert_ids, axis=0) for w in (w_gate, w_up, w_down))  # [T, k, ...]
-  h = jax.nn.silu(jnp.einsum("td,tkdf->tkf", x, g)) * jnp.einsum("td,tkdf->tkf", x, u)
-  y = jnp.einsum("tkf,tkfd->tkd", h.astype(x.dtype), dn)
-  return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
+def per_pair_moe(x, expert_ids, weights, w_gate, w_up, w_down):
+  """Small-batch routed experts: x [T,d], expert_ids/weights [T,k] -> [T,d], one pair at a time."""
+  n_tok, k = expert_ids.shape
+
+  def one(_, pair):
+    xi, e = pair
+    h = jax.nn.silu(xi @ w_gate[e]) * (xi @ w_up[e])
+    return None, h.astype(xi.dtype) @ w_down[e]
+
+  _, y = jax.lax.scan(one, None, (jnp.repeat(x, k, axis=0), expert_ids.reshape(-1)))
+  return jnp.einsum("tkd,tk->td", y.reshape(n_tok, k, -1), weights.astype(y.dtype))
 
 
 def moe_dispatch(x, expert_ids, weights, w_gate, w_up, w_down, *, impl: str = "auto",
-                 precision: str = "bf16", max_gather_pairs: int | None = None):
-  """Single-shard routed experts, dispatch chosen by row count (static). ``max_gather_pairs`` None is
-  decode: few pairs -> per-pair gathered weights, more -> grouped matmul on small blocks; 0 is
+                 precision: str = "bf16", per_pair_max: int | None = None):
+  """Single-shard routed experts, dispatch chosen by row count (static). ``per_pair_max`` None is
+  decode: few pairs -> one pair at a time, more -> grouped matmul on small blocks; 0 is
   training (the default layout always). Quantized recipes always take the grouped matmul, whose
   operands are fake-quantized as in training."""
   pairs = expert_ids.size
-  if max_gather_pairs is None:
-    gathered = 3 * pairs * w_gate.shape[1] * w_gate.shape[2] * w_gate.dtype.itemsize
-    if precision == "bf16" and pairs <= GATHER_MAX_PAIRS and gathered <= GATHER_MAX_BYTES:
-      return gathered_moe(x, expert_ids, weights, w_gate, w_up, w_down)
+  if per_pair_max is None:
+    if precision == "bf16" and pairs <= PER_PAIR_MAX:
+      return per_pair_moe(x, expert_ids, weights, w_gate, w_up, w_down)
     small = precision == "bf16" and pairs <= 8 * w_gate.shape[0]  # groups of a few rows on average
     block_rows = DECODE_BLOCK_ROWS if small else None
-  elif precision == "bf16" and pairs <= max_gather_pairs:
-    return gathered_moe(x, expert_ids, weights, w_gate, w_up, w_down)
+  elif precision == "bf16" and pairs <= per_pair_max:
+    return per_pair_moe(x, expert_ids, weights, w_gate, w_up, w_down)
   else:
     block_rows = None
   return dropless_moe(x, expert_ids, weights, w_gate, w_up, w_down, impl=impl, precision=precision,
@@ -138,7 +141,7 @@ class MoE(nnx.Module):
     self.shared = MLP(cfg, f * cfg.n_shared_experts, rngs) if cfg.n_shared_experts else None
 
   def __call__(self, x, replay_ids=None, valid=None, decode: bool = False):
-    """``decode`` (the cached path) lets few rows take the gathered dispatch; training keeps the
+    """``decode`` (the cached path) lets few rows take the per-pair dispatch; training keeps the
     grouped matmul whatever the batch, so the kernels it tests are the ones it trains with."""
     cfg = self.cfg
     b, s, d = x.shape
@@ -154,7 +157,7 @@ class MoE(nnx.Module):
       y = expert_parallel_moe(xt.astype(cdt), ids, weights, *w, cfg=cfg, mesh=mesh)
     else:
       y = moe_dispatch(xt.astype(cdt), ids, weights, *w, impl=cfg.gmm_impl,
-                       precision=cfg.gmm_precision, max_gather_pairs=None if decode else 0)
+                       precision=cfg.gmm_precision, per_pair_max=None if decode else 0)
     y = constrain(y.reshape(b, s, d), ("act_batch", "act_seq", "act_embed"))
     if self.shared is not None:
       y = y + self.shared(x)

@@ -10,7 +10,7 @@ from flax import nnx
 
 from composer_jax.model import init_cache, routing
 from composer_jax.model.cache import bucket, check_room
-from composer_jax.model.moe import dropless_moe, gathered_moe, moe_dispatch
+from composer_jax.model.moe import dropless_moe, moe_dispatch, per_pair_moe
 from tests.model.test_numerics import close, make
 
 
@@ -76,8 +76,8 @@ def test_overflow_is_refused_in_one_line(setup):
   assert [bucket(n, 64) for n in (1, 16, 17, 40, 65)] == [16, 16, 32, 64, 64]
 
 
-def test_gathered_dispatch_equals_grouped_matmul(setup):
-  """The small-batch dispatch (per-pair gathered weights) against the training grouped matmul and a
+def test_per_pair_dispatch_equals_grouped_matmul(setup):
+  """The small-batch dispatch (one (token, slot) pair at a time) against the training grouped matmul and a
   float64 NumPy sum over experts: 1e-5 relative, float32."""
   _, model, _ = setup
   layer = model.layers[1].mlp
@@ -86,11 +86,11 @@ def test_gathered_dispatch_equals_grouped_matmul(setup):
   x = jnp.asarray(rs.randn(6, 32), jnp.float32)
   ids = jnp.asarray(np.stack([rs.choice(8, 3, replace=False) for _ in range(6)]), jnp.int32)
   gate = jnp.asarray(rs.rand(6, 3), jnp.float32)
-  small = gathered_moe(x, ids, gate, *w)
+  small = per_pair_moe(x, ids, gate, *w)
   close(small, dropless_moe(x, ids, gate, *w), rtol=1e-5)
-  close(moe_dispatch(x, ids, gate, *w), small, rtol=0)  # 18 pairs: the dispatcher takes the gather
-  close(moe_dispatch(x, ids, gate, *w, max_gather_pairs=0), dropless_moe(x, ids, gate, *w), rtol=0)
-  # Past the gather bound (90 pairs > 64) decode keeps the grouped matmul, on 16-row blocks.
+  close(moe_dispatch(x, ids, gate, *w), small, rtol=0)  # 18 pairs: the dispatcher takes the per-pair loop
+  close(moe_dispatch(x, ids, gate, *w, per_pair_max=0), dropless_moe(x, ids, gate, *w), rtol=0)
+  # Past the per-pair bound (90 pairs > 64) decode keeps the grouped matmul, on 16-row blocks.
   xl = jnp.asarray(rs.randn(30, 32), jnp.float32)
   idl = jnp.asarray(np.stack([rs.choice(8, 3, replace=False) for _ in range(30)]), jnp.int32)
   gl = jnp.asarray(rs.rand(30, 3), jnp.float32)
