@@ -1,0 +1,175 @@
+"""Versioned weight broadcast from the learner to rollout workers, full or delta, with checksums.
+
+An update is ``(version, tensors or deltas, per-tensor checksums)``. A *full* update carries every
+tensor's raw bytes; a *delta* update carries, per tensor, the XOR of the new raw bits with the
+previous version's (bf16 as uint16, f32 as uint32, ...) compressed with zlib -- an unchanged tensor
+is ``None``, and a tensor whose few elements changed is mostly zero bytes, which compress to almost
+nothing. Applying a delta is bit-exact: XOR is its own inverse. Every tensor carries the CRC32 of its
+new bytes, so a worker whose base differs from the learner's (a missed update, a corrupt buffer)
+notices and asks for a full copy instead of sampling with wrong weights.
+
+The learner side (``Publisher``) puts each update into the Ray object store once (one put, many
+gets) and hands workers the *chain* of refs since the last full sync (``rl.full_sync_every``); a
+worker applies the deltas after its own version, or the full copy plus every delta when it is
+behind the last full sync or a checksum failed (``Receiver``). The functions here are pure and run
+without Ray; the Ray put is a callable passed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+
+
+class ChecksumError(ValueError):
+  """A tensor's bytes after applying an update do not match the learner's checksum."""
+
+
+@dataclasses.dataclass
+class Update:
+  version: int
+  kind: str  # "full" | "delta"
+  base: int  # version a delta applies to (-1 for full)
+  names: tuple  # tensor names (tree paths), in leaf order
+  data: list  # full: np.ndarray per tensor; delta: zlib(XOR bytes) or None (unchanged) per tensor
+  checksums: list  # CRC32 of each tensor's new raw bytes
+  dtypes: tuple = ()
+  shapes: tuple = ()
+
+  @property
+  def nbytes(self) -> int:
+    """Payload bytes (what travels): raw tensor bytes, or compressed delta bytes."""
+    if self.kind == "full":
+      return int(sum(a.nbytes for a in self.data))
+    return int(sum(len(d) for d in self.data if d is not None))
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+  """The raw bits of ``a`` as an unsigned-integer view of the same width (bf16 -> uint16)."""
+  a = np.ascontiguousarray(a)
+  width = a.dtype.itemsize
+  return a.reshape(-1).view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width])
+
+
+def checksum(a: np.ndarray) -> int:
+  return zlib.crc32(_bits(a).view(np.uint8))
+
+
+def flatten(tree) -> tuple[tuple, list[np.ndarray]]:
+  """(names, host arrays) of a pytree, e.g. ``(params, rest)`` of an NNX model."""
+  import jax
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  names = tuple(jax.tree_util.keystr(k) for k, _ in leaves)
+  return names, [np.asarray(v) for _, v in leaves]
+
+
+def encode_full(version: int, names, arrays) -> Update:
+  arrays = [np.ascontiguousarray(a) for a in arrays]
+  return Update(version, "full", -1, tuple(names), arrays, [checksum(a) for a in arrays],
+                tuple(str(a.dtype) for a in arrays), tuple(a.shape for a in arrays))
+
+
+def encode_delta(version: int, base: int, names, prev, new, level: int = 1) -> Update:
+  """Per tensor: None if bit-identical to ``prev``, else zlib(XOR of the raw bits)."""
+  data, sums = [], []
+  for p, n in zip(prev, new, strict=True):
+    if p.shape != n.shape or p.dtype != n.dtype:
+      raise ValueError(f"delta needs the same shape and dtype: {p.shape} {p.dtype} -> {n.shape} {n.dtype}")
+    x = np.bitwise_xor(_bits(p), _bits(n))
+    data.append(zlib.compress(x.tobytes(), level) if x.any() else None)
+    sums.append(checksum(n))
+  return Update(version, "delta", base, tuple(names), data, sums,
+                tuple(str(a.dtype) for a in new), tuple(a.shape for a in new))
+
+
+def decode(update: Update, prev: list | None) -> list[np.ndarray]:
+  """The tensors of ``update`` (a delta applies to ``prev``); raises ChecksumError on a mismatch."""
+  if update.kind == "full":
+    out = [np.array(a, copy=True) for a in update.data]
+  else:
+    if prev is None or len(prev) != len(update.data):
+      raise ChecksumError(f"delta to version {update.version} needs the tensors of version {update.base}")
+    out = []
+    for p, d in zip(prev, update.data):
+      if d is None:
+        out.append(p)
+        continue
+      bits = _bits(p)
+      x = np.frombuffer(zlib.decompress(d), bits.dtype)
+      if x.shape != bits.shape:
+        raise ChecksumError(f"delta to version {update.version}: tensor sizes differ")
+      out.append(np.bitwise_xor(bits, x).view(p.dtype).reshape(p.shape))
+  for name, a, s in zip(update.names, out, update.checksums):
+    if checksum(a) != s:
+      raise ChecksumError(f"tensor {name} of version {update.version} fails its checksum")
+  return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The two ends
+# --------------------------------------------------------------------------------------------------
+
+
+class Publisher:
+  """Learner end: encodes each version against the previous one and keeps the chain since the last
+  full sync. ``put`` stores an Update and returns a handle (``ray.put``; identity without Ray)."""
+
+  def __init__(self, full_sync_every: int = 10, delta: bool = True, put=lambda u: u):
+    self.every, self.delta, self.put = max(1, int(full_sync_every)), delta, put
+    self.prev: list | None = None
+    self.names: tuple = ()
+    self.chain: list = []  # [(version, kind, handle)], chain[0] is a full update
+    self.last_bytes = 0
+
+  def publish(self, tree, version: int) -> list:
+    names, arrays = flatten(tree)
+    since_full = version - self.chain[0][0] if self.chain else None
+    if (not self.delta or self.prev is None or names != self.names or since_full is None
+        or since_full >= self.every):
+      upd = encode_full(version, names, arrays)
+      self.chain = []
+    else:
+      upd = encode_delta(version, self.chain[-1][0], names, self.prev, arrays)
+    self.prev, self.names, self.last_bytes = arrays, names, upd.nbytes
+    self.chain.append((version, upd.kind, self.put(upd)))
+    return list(self.chain)
+
+
+class Receiver:
+  """Worker end: applies a chain to its current tensors. ``get`` fetches an Update from a handle
+  (``ray.get``). Counts full copies taken and checksum failures."""
+
+  def __init__(self, get=lambda h: h):
+    self.get = get
+    self.version = -1
+    self.arrays: list | None = None
+    self.full_copies = 0
+    self.checksum_failures = 0
+
+  def apply(self, chain: list, corrupt=None) -> bool:
+    """Bring the tensors to the chain's last version; False if already there. ``corrupt`` (tests)
+    is called on the tensors before the first delta, as a damaged buffer would be."""
+    if not chain or chain[-1][0] <= self.version:
+      return False
+    base_ok = self.arrays is not None and self.version >= chain[0][0]
+    if base_ok:
+      if corrupt is not None:
+        corrupt(self.arrays)
+      try:
+        arrays = self.arrays
+        for v, kind, h in chain[1:]:
+          if v > self.version:
+            arrays = decode(self.get(h), arrays)
+        self.arrays, self.version = arrays, chain[-1][0]
+        return True
+      except ChecksumError:
+        self.checksum_failures += 1
+    # Behind the last full sync, or a checksum failed: take the full copy and every delta after it.
+    self.full_copies += 1
+    arrays = None
+    for _, _, h in chain:
+      arrays = decode(self.get(h), arrays)
+    self.arrays, self.version = arrays, chain[-1][0]
+    return True
