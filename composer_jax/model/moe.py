@@ -2,8 +2,9 @@
 
 Dispatch is dropless: the (token, slot) pairs are sorted by expert and fed to one grouped matmul per
 projection (``composer_jax.kernels.gmm``), so no capacity factor exists and nothing is ever dropped,
-however skewed the routing. On a mesh with an expert axis the same bookkeeping runs inside
-``composer_jax.parallel.experts`` with an all-to-all (or all-gather) exchange around it.
+however skewed the routing. The dispatch itself (``dropless_moe``, and on a mesh with an expert
+axis the same bookkeeping with an all-to-all or all-gather exchange around it) lives in
+``composer_jax.parallel.experts``, which imports nothing from the model.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from composer_jax.config import ModelConfig
-from composer_jax.kernels.gmm import RowPlan, gmm_planned, plan_rows
-from composer_jax.kernels.gmm_layout import (
-  from_blocks,
-  gather_tokens,
-  pair_maps,
-  to_blocks,
-)
 from composer_jax.model.layers import MLP, KeySeq, dtype_of, param
-from composer_jax.model.routing import expert_load, route, select_experts, sequence_aux_loss
+from composer_jax.model.routing import (
+  expert_load,
+  route,
+  select_experts,
+  sequence_aux_loss,
+)
+from composer_jax.parallel.experts import dropless_moe, expert_parallel_moe
 from composer_jax.parallel.rules import active, constrain
+
+__all__ = ["MoE", "MoEStats", "RouterBias", "dropless_moe", "moe_dispatch", "per_pair_moe"]
 
 
 class RouterBias(nnx.Variable):
@@ -36,51 +38,6 @@ class MoEStats(NamedTuple):
   load: jax.Array  # [E] fraction of assignments per expert
   aux_loss: jax.Array  # scalar
   live_ids: jax.Array | None = None  # [b, s, k] the router's own choice when ids were replayed
-
-
-def sort_by_expert(expert_ids: jax.Array, n_experts: int):
-  """Bookkeeping shared by every dispatch path.
-
-  Returns (order [T*k]: the (token, slot) pairs sorted by expert, inverse [T*k], group_sizes [E]).
-  """
-  flat = expert_ids.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-  group_sizes = jnp.zeros((n_experts,), jnp.int32).at[flat].add(1)
-  return order, inverse, group_sizes
-
-
-def _ffn_on_blocks(xp, plan: RowPlan, w_gate, w_up, w_down):
-  """SwiGLU per padded row with its group's expert. Padding rows stay zero (silu(0) * 0 = 0).
-  Gate and up are two products over the one shared layout: concatenating the weights instead
-  copies [E, d, 2f] forward and splits its gradient backward, which measured slower on CPU."""
-  h = jax.nn.silu(gmm_planned(xp, w_gate, plan)) * gmm_planned(xp, w_up, plan)
-  return gmm_planned(h.astype(xp.dtype), w_down, plan)
-
-
-def expert_ffn(xs, group_sizes, w_gate, w_up, w_down, *, impl: str, precision: str):
-  """SwiGLU of each row with its group's expert weights; rows sorted by group (the EP path)."""
-  plan = plan_rows(group_sizes, xs.shape[0], impl=impl, precision=precision)
-  xp = to_blocks(xs, plan.layout.src, plan.layout.dest)
-  yp = _ffn_on_blocks(xp, plan, w_gate, w_up, w_down)
-  return from_blocks(yp, plan.layout.src, plan.layout.dest).astype(xs.dtype)
-
-
-def dropless_moe(x, expert_ids, weights, w_gate, w_up, w_down, *, impl: str = "auto",
-                 precision: str = "bf16", block_rows: int | None = None):
-  """Single-shard routed experts: x [T,d], expert_ids/weights [T,k] -> [T,d].
-
-  Tokens go straight into the block layout sorted by expert (one gather), both expert products run
-  there, and the rows come back in (token, slot) order (one gather) for the weighted sum: no
-  intermediate sorted copy, no scatter-add, forward or backward.
-  """
-  n_tok, k = expert_ids.shape
-  order, inverse, group_sizes = sort_by_expert(expert_ids, w_gate.shape[0])
-  plan = plan_rows(group_sizes, n_tok * k, impl=impl, precision=precision, block_rows=block_rows)
-  row_pair, pair_row = pair_maps(order, inverse, plan.layout)
-  yp = _ffn_on_blocks(gather_tokens(x, row_pair, pair_row, k), plan, w_gate, w_up, w_down)
-  y = from_blocks(yp.astype(x.dtype), row_pair, pair_row).reshape(n_tok, k, -1)
-  return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
 
 
 # Decode dispatch. The training block layout pads every expert's group to whole blocks (~ceil(m/bm)
@@ -153,7 +110,6 @@ class MoE(nnx.Module):
     w = [getattr(self, n)[...].astype(cdt) for n in ("w_gate", "w_up", "w_down")]
     mesh, _ = active()
     if mesh is not None and mesh.shape.get("expert", 1) > 1:
-      from composer_jax.parallel.experts import expert_parallel_moe
       y = expert_parallel_moe(xt.astype(cdt), ids, weights, *w, cfg=cfg, mesh=mesh)
     else:
       y = moe_dispatch(xt.astype(cdt), ids, weights, *w, impl=cfg.gmm_impl,

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from composer_jax.config import Config, ConfigError
-from composer_jax.model.cache import Cache, bucket, check_room, init_cache
+from composer_jax.model.cache import Cache, LayerCache, bucket, check_room, init_cache
 from composer_jax.rl.sampling import sample
 
 MIN_VIEW = 64  # smallest attention bucket (fewer traces for short contexts)
@@ -61,6 +61,41 @@ class Generation:
 def expert_dtype(n_experts: int):
   """Smallest signed int holding every expert id and -1 (= no route): int8 up to 128 experts."""
   return np.int8 if n_experts <= 128 else np.int16
+
+
+_STEP_FNS: dict = {}  # (id(graphdef), id(mesh), sampling rule...) -> (graphdef, mesh, jitted call)
+
+
+def _step_fn(graphdef, mesh, *rule):
+  """The jitted mixed call, shared by every engine of one graphdef, mesh and sampling rule (an
+  engine built again, e.g. per eval, reuses the compiled buckets). Keyed by identity: a GraphDef
+  holding the model config is not hashable; the mesh is in the key because the trace reads it."""
+  key = (id(graphdef), id(mesh)) + rule
+  got = _STEP_FNS.get(key)
+  if got is None or got[0] is not graphdef or got[1] is not mesh:
+    if len(_STEP_FNS) >= 16:
+      _STEP_FNS.clear()
+    got = _STEP_FNS[key] = (graphdef, mesh, _make_step_fn(graphdef, *rule))
+  return got[2]
+
+
+def _make_step_fn(graphdef, temperature: float, top_k: int, top_p: float, n_moe: int, k: int,
+                  edtype: str):
+  """Rows feed counts[b] tokens; returns the cache buffers (donated, updated in place), a sampled id
+  and its log-prob at each row's last fed token, and the routed experts of every fed position."""
+
+  def forward(params, rest, bufs, index, tokens, counts, key, *, view):
+    model = nnx.merge(graphdef, params, rest)
+    cache = Cache(tuple(LayerCache(c=c, k_pe=kpe, index=index, view=view) for c, kpe in bufs))
+    seg = (jnp.arange(tokens.shape[1])[None] < counts[:, None]).astype(jnp.int32)
+    out = model(tokens, segment_ids=seg, cache=cache, return_routing=n_moe > 0, mtp=False,
+                logit_positions=jnp.maximum(counts - 1, 0))
+    ids, logp = sample(out.logits[:, 0], key, temperature, top_k, top_p)
+    routed = (out.routed_experts.astype(edtype) if n_moe
+              else jnp.zeros((0,) + tokens.shape + (k,), edtype))
+    return tuple((lc.c, lc.k_pe) for lc in out.cache.layers), ids, logp, routed
+
+  return jax.jit(forward, static_argnames=("view",), donate_argnums=(2,))
 
 
 @dataclasses.dataclass
@@ -106,26 +141,11 @@ class Engine:
     self._done: list[Generation] = []
     with self._context():
       self._bufs = tuple((lc.c, lc.k_pe) for lc in init_cache(m, n_slots, max_len).layers)
-    self._fn = jax.jit(self._forward, static_argnames=("view",), donate_argnums=(2,))
+    rl = cfg.rl
+    self._fn = _step_fn(graphdef, mesh, float(rl.temperature), int(rl.top_k), float(rl.top_p), self.n_moe,
+                        self.k, np.dtype(self.edtype).name)
     self.stats = collections.Counter(tokens_decoded=0, prefill_tokens=0, steps=0, seconds=0.0,
                                      generations=0)
-
-  # -- the jitted call ----------------------------------------------------------------------------
-
-  def _forward(self, params, rest, bufs, index, tokens, counts, key, *, view):
-    """One mixed call: rows feed counts[b] tokens; returns the cache buffers, a sampled id and its
-    log-prob at each row's last fed token, and the routed experts of every fed position."""
-    model = nnx.merge(self.graphdef, params, rest)
-    from composer_jax.model.cache import LayerCache
-    cache = Cache(tuple(LayerCache(c=c, k_pe=kpe, index=index, view=view) for c, kpe in bufs))
-    seg = (jnp.arange(tokens.shape[1])[None] < counts[:, None]).astype(jnp.int32)
-    out = model(tokens, segment_ids=seg, cache=cache, return_routing=self.n_moe > 0, mtp=False,
-                logit_positions=jnp.maximum(counts - 1, 0))
-    rl = self.cfg.rl
-    ids, logp = sample(out.logits[:, 0], key, rl.temperature, rl.top_k, rl.top_p)
-    routed = (out.routed_experts.astype(self.edtype) if self.n_moe
-              else jnp.zeros((0,) + tokens.shape + (self.k,), self.edtype))
-    return tuple((lc.c, lc.k_pe) for lc in out.cache.layers), ids, logp, routed
 
   def _context(self):
     if self.mesh is None or self.mesh.size == 1:

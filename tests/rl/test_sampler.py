@@ -61,14 +61,15 @@ def test_sampling_rule_against_numpy():
 
 
 def test_engine_matches_training_forward_over_multiturn_episodes(setup):
-  """Four episodes on three slots (the fourth waits for a release), two turns each, weights swapped
+  """Four episodes on three slots (the fourth waits for a release; its 19-token prompt is prefilled
+  in two chunks while the others decode), two turns each, weights swapped
   (same values, new version) mid-run. For every episode: the fed tokens, concatenated, plus the final
   token, are its whole sequence; each sampled log-prob equals log_softmax(logits / T) of the training
   forward on that sequence (1e-5 absolute, float32); each fed token's experts equal the forward's
   return_routing choices."""
   cfg, model = setup
   graphdef, params, rest = split_model(model)
-  eng = Engine(graphdef, params, rest, cfg, n_slots=3, max_len=128, seed=5)
+  eng = Engine(graphdef, params, rest, cfg, n_slots=3, max_len=128, seed=5, prefill_chunk=16)
   rs = np.random.RandomState(7)
   prompts = {k: [int(t) for t in rs.randint(0, V, n)] for k, n in zip("abcd", (5, 11, 3, 19))}
   stops = tuple(range(0, V, 9))  # some ids stop a turn early
@@ -143,3 +144,8 @@ def test_context_full_stops_the_turn(setup):
   assert eng.free_slots() == 2 and not eng.busy()
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     eng.submit(Request("y", [1], 0, ()))
+  # Explicit keys: one seed replays the same draws (the compiled call is shared); another differs.
+  again = [Engine(graphdef, params, rest, cfg, n_slots=2, max_len=20, seed=s).run(
+      [Request("x", list(range(1, 13)), 30, ())])[0].tokens for s in (1, 2)]
+  np.testing.assert_array_equal(again[0], g.tokens)
+  assert not np.array_equal(again[1], g.tokens)
