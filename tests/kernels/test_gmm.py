@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from composer_jax.kernels import gmm, gmm_reference, tgmm
 
-from tests.kernels.kernels_ref import ref_mxfp8_dequant
+from tests.kernels.kernels_ref import ref_mxfp8_dequant, ref_nvfp4
 
 # (impl, interpret_target): every backend, the Pallas ones in (GPU-style and TPU) interpret mode
 BACKENDS = [("xla", "gpu"), ("sorted", "gpu"), ("interpret", "gpu"), ("interpret", "tpu")]
@@ -148,7 +148,56 @@ def test_mxfp8_gmm_matches_reference_quantization(impl, target):
   assert np.abs(np.asarray(y) - exact).max() < 0.1 * np.abs(exact).max()
 
 
-@pytest.mark.parametrize("precision,tol", [("fp8_block", 0.08), ("nvfp4", 0.35)])
+def _nvfp4_dq(a, axis):
+  """NVFP4 quantize-dequantize along ``axis`` with the reference quantizer (one tensor scale)."""
+  at = np.moveaxis(a, axis, -1)
+  flat = at.reshape(-1, at.shape[-1])
+  q, sb, st = ref_nvfp4(flat)
+  d = q.astype(np.float64) * np.repeat(sb.astype(np.float64), 16, axis=1) * np.float64(st)
+  return np.moveaxis(d.reshape(at.shape), -1, axis)
+
+
+def _group_padded_nvfp4(a, sizes, rows=16):
+  """NVFP4 along the token axis of the padded layout: each group padded to 16-row blocks, one
+  tensor scale for the whole (padded) operand, as the grouped matmul quantizes it."""
+  padded = [-(-c // rows) * rows for c in sizes]
+  lay = np.zeros((sum(padded), a.shape[1]), np.float32)
+  s = p = 0
+  for c, pc in zip(sizes, padded):
+    lay[p:p + c] = a[s:s + c]
+    s, p = s + c, p + pc
+  dq = _nvfp4_dq(lay, 0)
+  out = np.zeros(a.shape)
+  s = p = 0
+  for c, pc in zip(sizes, padded):
+    out[s:s + c] = dq[p:p + c]
+    s, p = s + c, p + pc
+  return out
+
+
+def test_nvfp4_gmm_matches_reference_quantization():
+  """NVFP4 (E2M1 in 16-element blocks, E4M3 block scales, a float32 tensor scale) forward and both
+  gradients = float64 products of reference-quantized operands (1e-5: only float32 accumulation
+  order and the float32 scale product differ)."""
+  rng = np.random.default_rng(2)
+  m, k, n, sizes = 160, 128, 128, np.array([70, 0, 90], np.int32)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = (rng.standard_normal((3, k, n)) * 0.1).astype(np.float32)
+  ct = rng.standard_normal((m, n)).astype(np.float32)
+  f = lambda a, b: gmm(a, b, jnp.asarray(sizes), impl="sorted", precision="nvfp4")
+  y, dx, dw = _fwd_bwd(f)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ct))
+  want = _np_gmm(_nvfp4_dq(x, -1), _nvfp4_dq(w, 1), sizes)
+  np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
+  want_dx = _np_gmm(_nvfp4_dq(ct, -1), np.swapaxes(_nvfp4_dq(w, 2), 1, 2), sizes)
+  np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-5)
+  want_dw = _np_tgmm(_group_padded_nvfp4(x, sizes), _group_padded_nvfp4(ct, sizes), sizes)
+  np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-5)
+  # FP4 is coarse: the product moves, by about its quantization noise (measured ~0.13 relative).
+  rel = np.linalg.norm(np.asarray(y) - _np_gmm(x, w, sizes)) / np.linalg.norm(_np_gmm(x, w, sizes))
+  assert 0.05 < rel < 0.25, rel
+
+
+@pytest.mark.parametrize("precision,tol", [("fp8_block", 0.08)])
 def test_other_recipes_close_to_exact(precision, tol):
   rng = np.random.default_rng(2)
   m, k, n, sizes = 160, 128, 128, np.array([70, 0, 90], np.int32)
