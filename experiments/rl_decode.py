@@ -105,26 +105,38 @@ def kv_cache(cfg, b, t, index, view):
 # -- measurements -----------------------------------------------------------------------------------
 
 
-def decode_step_seconds(model, cfg, cache, iters):
-  """Median seconds of one decode step (one token per row) at the cache's fill. The cache is donated
-  and updated in place (as the engine does); the fill is held constant across the timed steps."""
+def decode_stepper(model, cache):
+  """A compiled decode step (one token per row) at the cache's fill; calling it runs one step and
+  returns its seconds. The cache is donated and updated in place (as the engine does); the fill is
+  held constant. Compiled at creation, so the patches a variant needs apply only while it traces."""
   graphdef, state = nnx.split(model)
-  b = cache.index.shape[0]
+  tok = jnp.ones((cache.index.shape[0], 1), jnp.int32)
 
   @functools.partial(jax.jit, donate_argnums=(1,))
   def step(state, cache, tok):
     out = nnx.merge(graphdef, state)(tok, cache=cache, mtp=False)
     return out.logits, out.cache.with_index(cache.index)
 
-  tok = jnp.ones((b, 1), jnp.int32)
-  times = []
-  for i in range(iters + 1):
+  box = [cache]
+
+  def run():
     t0 = time.perf_counter()
-    logits, cache = step(state, cache, tok)
+    logits, box[0] = step(state, box[0], tok)
     jax.block_until_ready(logits)
-    if i:  # the first call compiles
-      times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+    return time.perf_counter() - t0
+
+  run()  # compile
+  return run
+
+
+def interleaved(steppers: dict, rounds: int) -> dict:
+  """Median seconds per variant, the variants timed in turn each round: on a shared, loaded machine
+  drift then hits every variant alike, so the ratios hold even when the absolute figures do not."""
+  times = {n: [] for n in steppers}
+  for _ in range(rounds):
+    for n, run in steppers.items():
+      times[n].append(run())
+  return {n: float(np.median(t)) for n, t in times.items()}
 
 
 def filled_cache(cfg, b, max_len, fill, view=0):
@@ -134,21 +146,20 @@ def filled_cache(cfg, b, max_len, fill, view=0):
 
 def bench_4k(cfg, model, batch, iters, ctx=4096):
   view = bucket(ctx, ctx + 64)
-  out = {"context": ctx, "batch": batch}
-  t_abs = decode_step_seconds(model, cfg, filled_cache(cfg, batch, ctx + 64, ctx - 1, view), iters)
-  out["absorbed_tokens_per_s"] = batch / t_abs
+  steppers = {"absorbed": decode_stepper(model, filled_cache(cfg, batch, ctx + 64, ctx - 1, view))}
   orig = mla_mod.MLA.absorbed
   try:
     mla_mod.MLA.absorbed = expand_each_step
-    t_a = decode_step_seconds(model, cfg, filled_cache(cfg, batch, ctx + 64, ctx - 1, view), iters)
+    steppers["expand_each_step"] = decode_stepper(model, filled_cache(cfg, batch, ctx + 64, ctx - 1, view))
     mla_mod.MLA.absorbed = expanded_cache_attention
-    t_b = decode_step_seconds(model, cfg, kv_cache(cfg, batch, ctx + 64, ctx - 1, view), iters)
+    steppers["expanded_kv_cache"] = decode_stepper(model, kv_cache(cfg, batch, ctx + 64, ctx - 1, view))
   finally:
     mla_mod.MLA.absorbed = orig
-  out["expand_each_step_tokens_per_s"] = batch / t_a
-  out["expanded_kv_cache_tokens_per_s"] = batch / t_b
-  out["absorbed_over_expand_each_step"] = t_a / t_abs
-  out["absorbed_over_expanded_kv_cache"] = t_b / t_abs
+  sec = interleaved(steppers, iters)
+  out = {"context": ctx, "batch": batch, "rounds": iters}
+  out.update({f"{n}_tokens_per_s": batch / t for n, t in sec.items()})
+  out["absorbed_over_expand_each_step"] = sec["expand_each_step"] / sec["absorbed"]
+  out["absorbed_over_expanded_kv_cache"] = sec["expanded_kv_cache"] / sec["absorbed"]
   m = cfg.model
   out["cache_numbers_per_token_per_layer"] = {"latent": m.kv_lora_rank + m.qk_rope_dim,
                                               "expanded": m.n_heads * (m.qk_head_dim + m.v_head_dim)}
@@ -156,23 +167,27 @@ def bench_4k(cfg, model, batch, iters, ctx=4096):
 
 
 def bench_fixes(cfg, model, iters):
+  """before: attention over the whole cache, the training grouped-matmul layout; after: the
+  bucketed view and the decode dispatch (per-pair for <= PER_PAIR_MAX pairs)."""
   b, max_len, fill = cfg.rl.decode_batch, 4096, 256  # a long-context RL cache, early in the episode
   view = bucket(fill + 1, max_len, 64)
   orig = moe_mod.moe_dispatch
 
-  def grouped_only(*a, **k):
+  def training_layout(*a, **k):
     return orig(*a, **{**k, "per_pair_max": 0})
 
-  res = {"batch": b, "max_len": max_len, "filled": fill, "view": view}
-  for name, v, gmm in (("before", 0, True), ("view_only", view, True), ("per_pair_only", 0, False),
-                       ("after", view, False)):
-    moe_mod.moe_dispatch = grouped_only if gmm else orig
+  steppers = {}
+  for name, v, train_layout in (("before", 0, True), ("view_only", view, True),
+                                ("dispatch_only", 0, False), ("after", view, False)):
+    moe_mod.moe_dispatch = training_layout if train_layout else orig
     try:
-      t = decode_step_seconds(model, cfg, filled_cache(cfg, b, max_len, fill, v), iters)
+      steppers[name] = decode_stepper(model, filled_cache(cfg, b, max_len, fill, v))
     finally:
       moe_mod.moe_dispatch = orig
-    res[f"{name}_tokens_per_s"] = b / t
-  res["after_over_before"] = res["after_tokens_per_s"] / res["before_tokens_per_s"]
+  sec = interleaved(steppers, iters)
+  res = {"batch": b, "max_len": max_len, "filled": fill, "view": view, "rounds": iters}
+  res.update({f"{n}_tokens_per_s": b / t for n, t in sec.items()})
+  res["after_over_before"] = sec["before"] / sec["after"]
   return res
 
 
@@ -216,7 +231,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="fewer iterations, shorter rollouts")
   args = ap.parse_args()
-  iters = 2 if args.quick else 3
+  iters = 3 if args.quick else 7
   res = {}
   tiny = load_config("configs/tiny.yaml")
   bench = load_config("configs/bench.yaml")
@@ -233,7 +248,8 @@ def main():
                                      episodes=2 * bench.rl.decode_batch)
   print(res["engine_bench"], flush=True)
   res["note"] = ("float32 params and compute (the configs' dtypes); tokens/s = rows / median step "
-                 "seconds; engine: generated tokens / wall seconds after a warm-up run")
+                 "seconds, the variants of one comparison timed in turn each round; engine: generated "
+                 "tokens / wall seconds after a warm-up run")
   write_result("rl_decode", res)
 
 

@@ -44,9 +44,11 @@ class MoEStats(NamedTuple):
 # + E blocks: 2,000+ rows on GPU for one decode step of 8 tokens, ~50,000 for K2's 384 experts).
 # Up to PER_PAIR_MAX (token, slot) pairs instead loop over the pairs, each multiplied by its own
 # expert's matrices (a dynamic index, no copy of every pair's weights: gathering them all up front
-# materialised pairs x 3 x d x f numbers and measured 2-4x slower on CPU). Past that, decode keeps
-# the grouped matmul, with DECODE_BLOCK_ROWS-row blocks while the groups average a few rows (E x 16
-# padding rows instead of E x 128 on the GPU/TPU kernels). Prefill and training keep the default.
+# materialised pairs x 3 x d x f numbers and measured 2-4x slower on CPU; the loop measured level
+# with the CPU sorted layout, itself 16-row blocks, on the bench model's decode). Past that, decode
+# keeps the grouped matmul, with DECODE_BLOCK_ROWS-row blocks while the groups average a few rows
+# (E x 16 padding rows instead of E x 128 on the GPU/TPU kernels). Prefill and training keep the
+# default.
 PER_PAIR_MAX = 64
 DECODE_BLOCK_ROWS = 16
 
