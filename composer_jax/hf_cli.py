@@ -5,9 +5,12 @@ of ``nnx.state(model)``, the parameters and router biases only: no optimizer sta
 the training checkpoint of a later issue owns) and ``DIR/config.yaml`` (a full composer config whose
 ``model`` section describes the checkpoint, usable as a training config base).
 
-``--to-hf DIR --out HF_DIR`` reads ``DIR/params`` with the model section of ``--config`` (a composer
-YAML or an HF config.json; default ``DIR/config.yaml``) and writes an HF folder in the released
-per-expert layout.
+``--to-hf DIR --out HF_DIR`` reads ``DIR/params``, or the newest readable training checkpoint when
+DIR is a run directory (``checkpoints/``) or one of its step folders, with the model section of
+``--config`` (a composer YAML or an HF config.json; default ``DIR/config.yaml``, the run's) and
+writes an HF folder in the released per-expert layout.
+
+Both kinds of folder also feed training: ``pretrain | sft | extend --init DIR`` (train/init.py).
 """
 
 from __future__ import annotations
@@ -32,10 +35,19 @@ def register(sub) -> None:
   p.set_defaults(func=run)
 
 
-def _model_config(args):
+def _run_dir(path: str) -> tuple[str, str, int | None] | None:
+  """(run dir, checkpoints dir, step or None) when ``path`` is a training run or step folder."""
+  from composer_jax.train.checkpoint import find_checkpoint
+  ck, step = find_checkpoint(path)
+  if os.path.basename(ck) == "checkpoints" and os.path.isdir(ck):
+    return os.path.dirname(ck), ck, step
+  return None
+
+
+def _model_config(args, base: str):
   from composer_jax.config import load_config
   from composer_jax.hf import config_from_hf
-  path = args.config or os.path.join(args.to_hf, CONFIG)
+  path = args.config or os.path.join(base, CONFIG)
   if not os.path.exists(path):
     raise ConfigError(f"--config {path!r} does not exist: pass the YAML written by --from-hf or "
                       "an HF config.json")
@@ -53,11 +65,15 @@ def run(args) -> int:
     if not os.path.exists(os.path.join(args.from_hf, "config.json")):
       raise ConfigError(f"--from-hf {args.from_hf!r} has no config.json: pass an HF checkpoint folder")
     return from_hf(args.from_hf, args.out, args.dtype)
+  shard = int(args.max_shard_gb * 1024**3)
+  run = _run_dir(args.to_hf)
+  if run is not None:
+    return run_to_hf(run[1], run[2], _model_config(args, run[0]), args.out, shard)
   params = os.path.join(args.to_hf, PARAMS)
   if not os.path.isdir(params):
     raise ConfigError(f"--to-hf {args.to_hf!r} has no {PARAMS}/ folder: pass a folder written by "
-                      "`composer-jax convert --from-hf`")
-  return to_hf(params, _model_config(args), args.out, int(args.max_shard_gb * 1024**3))
+                      "`composer-jax convert --from-hf` or a training run directory")
+  return to_hf(params, _model_config(args, args.to_hf), args.out, shard)
 
 
 def from_hf(hf_dir: str, out: str, dtype: str | None = None) -> int:
@@ -91,4 +107,30 @@ def to_hf(params: str, cfg, out: str, max_shard_bytes: int) -> int:
       raise ConfigError(f"{params} does not match the model config: {str(e).splitlines()[0]}") from None
   save_pretrained(nnx.merge(graphdef, state), out, max_shard_bytes=max_shard_bytes)
   print(f"wrote {out}")
+  return 0
+
+
+def run_to_hf(ck_dir: str, step: int | None, cfg, out: str, max_shard_bytes: int) -> int:
+  """A training checkpoint's weights (params + router biases; not the optimizer) to an HF folder."""
+  from flax import nnx
+
+  from composer_jax.hf import save_pretrained
+  from composer_jax.model import abstract_model
+  from composer_jax.train.checkpoint import Checkpointer
+  graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
+  src = Checkpointer(ck_dir, keep=1000, async_save=False)
+  targets = {"params": params, "rest": rest}
+  try:
+    if step is None:
+      got = src.restore_latest(targets, json_items=())
+    else:
+      src.check_compatible(step, targets)
+      got = (step, src.restore(step, targets, json_items=()))
+  finally:
+    src.close()
+  if got is None:
+    raise ConfigError(f"{ck_dir} holds no readable checkpoint")
+  save_pretrained(nnx.merge(graphdef, got[1]["params"], got[1]["rest"]), out,
+                  max_shard_bytes=max_shard_bytes)
+  print(f"wrote {out} from {ck_dir}/{got[0]}")
   return 0

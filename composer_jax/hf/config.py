@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from composer_jax.config import Config, ConfigError, DataConfig, ModelConfig, validate
+from composer_jax.config import Config, ConfigError, DataConfig, ModelConfig, from_dict
 
 MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v2")
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
@@ -146,7 +146,9 @@ def config_from_hf(d: dict) -> ModelConfig:
               norm_topk_prob=bool(_get(d, "norm_topk_prob")),
               routed_scaling_factor=float(_get(d, "routed_scaling_factor")), **_routing(d, model_type))
   cfg = ModelConfig(**kw)
-  validate(Config(model=cfg, data=DataConfig(seq_len=min(cfg.max_seq_len, DataConfig.seq_len))))
+  # from_dict's defaults (e.g. rl.max_context = the model's length), then the one-line checks.
+  whole = Config(model=cfg, data=DataConfig(seq_len=min(cfg.max_seq_len, DataConfig.seq_len)))
+  from_dict(whole.to_dict())
   return cfg
 
 

@@ -124,6 +124,6 @@ class MoE(nnx.Module):
     # Under router replay, the router's own choice too (RL's routing-mismatch metric; XLA shares the
     # selection with the fallback for unrecorded tokens).
     live = None if replay is None else select_experts(scores, self.router_bias[...], cfg).reshape(b, s, -1)
-    return y.astype(x.dtype), MoEStats(ids.reshape(b, s, -1), expert_load(ids, cfg.n_routed_experts), aux,
+    return y.astype(x.dtype), MoEStats(ids.reshape(b, s, -1), expert_load(ids, cfg.n_routed_experts, valid), aux,
                                        live)
 

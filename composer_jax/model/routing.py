@@ -65,10 +65,19 @@ def route(logits: jax.Array, bias: jax.Array | None, cfg: ModelConfig,
   return ids, combine_weights(scores, ids, cfg), scores
 
 
-def expert_load(expert_ids: jax.Array, n_experts: int) -> jax.Array:
-  """Fraction of this batch's (token, slot) assignments that went to each expert: [E]."""
-  counts = jnp.zeros((n_experts,), jnp.float32).at[expert_ids.reshape(-1)].add(1.0)
-  return counts / expert_ids.size
+def expert_load(expert_ids: jax.Array, n_experts: int, valid: jax.Array | None = None) -> jax.Array:
+  """Fraction of this batch's (token, slot) assignments that went to each expert: [E].
+
+  ``expert_ids`` [tokens, k]; ``valid`` (any shape with ``tokens`` elements, e.g. [b, s]) keeps
+  padding out of the count, which under SFT/RL padding would otherwise skew the bias update. No
+  valid token gives an all-zero load (and so no bias change).
+  """
+  k = expert_ids.shape[-1]
+  ids = expert_ids.reshape(-1, k)
+  w = (jnp.ones(ids.shape[:1], jnp.float32) if valid is None
+       else valid.reshape(-1).astype(jnp.float32))
+  counts = jnp.zeros((n_experts,), jnp.float32).at[ids.reshape(-1)].add(jnp.repeat(w, k))
+  return counts / jnp.maximum(w.sum() * k, 1.0)
 
 
 def update_router_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:

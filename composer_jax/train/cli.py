@@ -23,7 +23,8 @@ def _common(p, init_required: bool) -> None:
   p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.steps=20")
   p.add_argument("--out", required=True, help="run directory (config, metrics, checkpoints, plots)")
   p.add_argument("--init", required=init_required, default=None,
-                 help="start from this run directory or checkpoint step directory (weights only)")
+                 help="start from the weights of a run directory, a checkpoint step directory, a "
+                      "`convert --from-hf` folder or an HF folder (optimizer state starts fresh)")
   p.add_argument("--resume", action="store_true",
                  help="continue from the newest readable checkpoint in --out (exact resume)")
   p.add_argument("--cpu-devices", type=int, default=0,
@@ -46,17 +47,33 @@ def register(sub) -> None:
 
 
 def _prepare(args, extra: list[str] = ()):
-  from composer_jax.config import load_config
-  cfg = load_config(args.config, list(args.overrides) + list(extra))
+  from composer_jax.config import apply_overrides, from_dict, load_config
+  overrides = list(args.overrides) + list(extra)
+  cfg = load_config(args.config, overrides)
+  if args.init:
+    # A converted or HF folder carries its architecture: it replaces the YAML's model section,
+    # and the command line's model.* overrides (dtypes, remat, ...) apply on top.
+    from composer_jax.train.init import init_kind, model_section
+    kind = init_kind(args.init)
+    model = model_section(args.init, kind)
+    if model is not None:
+      data = cfg.to_dict()
+      if data["rl"]["max_context"] == data["model"]["max_seq_len"]:
+        data["rl"]["max_context"] = 0  # derived from the model: derive it again from the new one
+      data["model"] = model
+      cfg = from_dict(apply_overrides(data, [o for o in overrides if o.startswith("model.")]))
+      print(f"--init {args.init} ({kind}): model section from the checkpoint, then "
+            "model.* overrides", flush=True)
   ck = os.path.join(args.out, "checkpoints")
   if not args.resume and os.path.isdir(ck) and any(n.isdigit() for n in os.listdir(ck)):
     raise ConfigError(f"--out {args.out} already holds checkpoints: pass --resume to continue, "
                       "or choose a new --out")
-  if args.init:
+  if args.init and init_kind(args.init) == "run":
     from composer_jax.train.checkpoint import find_checkpoint
     d, _ = find_checkpoint(args.init)
     if not os.path.isdir(d):
-      raise ConfigError(f"--init {args.init!r} is not a run directory or checkpoint step directory")
+      raise ConfigError(f"--init {args.init!r} is not a run, checkpoint step, converted "
+                        "(convert --from-hf) or HF directory")
   if args.cpu_devices:
     from composer_jax.parallel.mesh import set_cpu_devices
     set_cpu_devices(args.cpu_devices)

@@ -157,22 +157,23 @@ def _activate(mesh, rules, cfg: Config):
 
 
 def build_trainer(cfg: Config, mesh=None, loss_fn: Callable | None = None,
-                  batch_keys: tuple[str, ...] | None = None) -> Trainer:
+                  batch_keys: tuple[str, ...] | None = None, materialize: bool = True) -> Trainer:
   """Model on its shardings, optimizer state sharded like the params, the jitted step.
 
   ``loss_fn`` replaces the LM loss (contract in ``step.lm_loss_fn``), e.g. the RL policy loss; the
   step (sharding, optimizer, accumulation, router bias, QK-clip) is the same. Every batch leaf is
   sharded on its leading (batch) dim whatever its rank; ``batch_keys``, when given, fixes the batch
   dict's keys (the jitted step then rejects a batch with other keys).
+
+  ``materialize=False`` leaves ``state`` abstract (ShapeDtypeStructs on their shardings) for a
+  checkpoint restore; ``init_state`` fills it otherwise. Nothing random is built before then.
   """
-  from composer_jax.model import build_model
+  from composer_jax.model import abstract_model
   from composer_jax.parallel.mesh import build_mesh
   from composer_jax.parallel.rules import make_rules, state_shardings
   mesh = mesh if mesh is not None else build_mesh(cfg.mesh)
   rules = make_rules(cfg.mesh.rules)
-  with _activate(mesh, rules, cfg):
-    model = build_model(cfg, mesh, seed=cfg.train.seed, rules=rules)
-  graphdef, params, rest = split_model(model)
+  graphdef, params, rest = split_model(abstract_model(cfg))
   lr_fn = optim.schedule(cfg.optim, cfg.train.steps)
   tx = optim.build_optimizer(cfg.optim, cfg.train.steps, params, param_axes(params))
   repl = NamedSharding(mesh, P())
@@ -180,10 +181,10 @@ def build_trainer(cfg: Config, mesh=None, loss_fn: Callable | None = None,
   r_sh = state_shardings(rest, mesh, rules)
   o_sh = optim.state_shardings(tx, params, p_sh, repl)
   shardings = {"params": p_sh, "rest": r_sh, "opt_state": o_sh, "step": repl, "rng": repl}
-  opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
-  rng = jax.random.key_data(jax.random.key(cfg.train.seed))
-  state = {"params": params, "rest": rest, "opt_state": opt_state,
-           "step": jax.device_put(jnp.zeros((), jnp.int32), repl), "rng": jax.device_put(rng, repl)}
+  rng = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  state = {"params": params, "rest": rest, "opt_state": jax.eval_shape(tx.init, params),
+           "step": jax.ShapeDtypeStruct((), jnp.int32), "rng": rng}
+  state = {k: _on(v, shardings[k]) for k, v in state.items()}
   batch_axes = tuple(a for a in ("data", "fsdp", "expert") if mesh.shape[a] > 1)
   # One spec for every rank: the leading dim is the batch, the rest replicated.
   batch_sharding = NamedSharding(mesh, P(batch_axes or None))
@@ -203,7 +204,39 @@ def build_trainer(cfg: Config, mesh=None, loss_fn: Callable | None = None,
     with _activate(mesh, rules, cfg):
       return jit_eval(params, rest, batch, byte_lengths)
 
-  return Trainer(cfg, mesh, graphdef, state, shardings, batch_sharding, tx, lr_fn, step_fn, eval_fn)
+  tr = Trainer(cfg, mesh, graphdef, state, shardings, batch_sharding, tx, lr_fn, step_fn, eval_fn)
+  if materialize:
+    init_state(tr)
+  return tr
+
+
+def _on(abstract: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs carrying their shardings (``shardings`` may stop at nnx.Variable nodes)."""
+  is_sh = lambda x: isinstance(x, jax.sharding.Sharding)
+  sh = jax.tree.leaves(shardings, is_leaf=is_sh)
+  leaves = jax.tree.leaves(abstract)
+  return jax.tree.unflatten(jax.tree.structure(abstract), [
+      jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in zip(leaves, sh)])
+
+
+def init_state(tr: Trainer, params: Any = None, rest: Any = None) -> None:
+  """Fill ``tr.state``: the model's seeded random init (or the given weights), a fresh optimizer
+  state initialised from them (its float32 master copy included), step 0, the seed's RNG."""
+  from composer_jax.model import build_model
+  from composer_jax.parallel.rules import make_rules
+  cfg = tr.cfg
+  if params is None:
+    rules = make_rules(cfg.mesh.rules)
+    with _activate(tr.mesh, rules, cfg):
+      model = build_model(cfg, tr.mesh, seed=cfg.train.seed, rules=rules)
+    _, params, rest = split_model(model)
+  sh = tr.state_shardings
+  params, rest = jax.device_put(params, sh["params"]), jax.device_put(rest, sh["rest"])
+  opt_state = jax.jit(tr.tx.init, out_shardings=sh["opt_state"])(params)
+  rng = jax.random.key_data(jax.random.key(cfg.train.seed))
+  tr.state = {"params": params, "rest": rest, "opt_state": opt_state,
+              "step": jax.device_put(jnp.zeros((), jnp.int32), sh["step"]),
+              "rng": jax.device_put(rng, sh["rng"])}
 
 
 def put_batch(tr: Trainer, batch: dict) -> dict:
@@ -314,36 +347,44 @@ def run(cfg: Config, out_dir: str, *, stage: str = "pretrain", resume: bool = Fa
   """Train ``cfg.train.steps`` steps into ``out_dir``; returns the final metrics."""
   from composer_jax.model import flops_per_token
   os.makedirs(out_dir, exist_ok=True)
-  init_ckpt_dir, init_step = ckpt_lib.find_checkpoint(init) if init else (None, None)
-  init_run = os.path.dirname(init_ckpt_dir) if init_ckpt_dir else None
-  if init and not os.path.isdir(init_ckpt_dir):
-    raise ConfigError(f"--init {init!r} is not a run or checkpoint directory")
+  from composer_jax.train import init as init_lib
+  kind = init_lib.init_kind(init) if init else None
+  init_dir = None
+  if kind == "run":
+    init_ckpt_dir, _ = ckpt_lib.find_checkpoint(init)
+    if not os.path.isdir(init_ckpt_dir):
+      raise ConfigError(f"--init {init!r} is not a run, checkpoint, converted or HF directory")
+    init_dir = os.path.dirname(init_ckpt_dir)
+  elif kind:
+    init_dir = init
   dump_config(cfg, os.path.join(out_dir, "config.yaml"))
-  data = build_data(cfg, out_dir, stage, init_run)
-  tr = build_trainer(cfg)
+  data = build_data(cfg, out_dir, stage, init_dir)
+  tr = build_trainer(cfg, materialize=False)
   byte_lengths = jax.device_put(data.tokenizer.byte_lengths(), NamedSharding(tr.mesh, P()))
   ck = ckpt_lib.Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                              every=cfg.checkpoint.every, async_save=cfg.checkpoint.async_save)
   it = iter(data.train)
   start = 0
-  restored = ck.restore_latest(_items(tr.state)) if resume else None
+  # Restored straight into the abstract state: a corrupt step falls back (one line), an
+  # incompatible one stops (IncompatibleCheckpoint, one line naming the array and config fields).
+  restored = (ck.restore_latest(_items(tr.state), log=_log, config=cfg.to_dict())
+              if resume else None)
   if restored is not None:
     start, items = restored
     tr.state = _from_items(items)
     it.set_state(items["data"])
     _log(f"resumed from {ck.directory}/{start}")
-  elif resume:
-    _log(f"--resume: no checkpoint in {ck.directory} yet; starting from step 0")
   elif init:
-    src = ckpt_lib.Checkpointer(init_ckpt_dir, keep=1000, async_save=False)
-    targets = {"params": tr.state["params"], "rest": tr.state["rest"]}
-    got = (src.restore_latest(targets, json_items=()) if init_step is None
-           else (init_step, src.restore(init_step, targets, json_items=())))
-    if got is None:
-      raise ConfigError(f"--init {init!r} holds no readable checkpoint")
-    tr.state.update(params=got[1]["params"], rest=got[1]["rest"])
-    src.close()
-    _log(f"initialised weights from {init_ckpt_dir}/{got[0]}")
+    from composer_jax.parallel.rules import make_rules
+    abstract = {"params": tr.state["params"], "rest": tr.state["rest"]}
+    params, rest, src = init_lib.load_weights(init, kind, cfg, tr.graphdef, abstract, tr.mesh,
+                                              make_rules(cfg.mesh.rules), log=_log)
+    init_state(tr, params, rest)
+    _log(f"initialised weights from {src}" + (" (resume found no checkpoint)" if resume else ""))
+  else:
+    if resume:
+      _log(f"--resume: no checkpoint in {ck.directory} yet; starting from step 0")
+    init_state(tr)
   log = MetricsLog(out_dir, start)
   total = cfg.train.steps
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len

@@ -79,3 +79,30 @@ def test_find_checkpoint(tmp_path):
   run = str(tmp_path / "run")
   assert find_checkpoint(run) == (os.path.join(run, "checkpoints"), None)
   assert find_checkpoint(os.path.join(run, "checkpoints", "10")) == (os.path.join(run, "checkpoints"), 10)
+
+
+def test_incompatible_checkpoint_stops_with_one_line_naming_the_array(tmp_path):
+  """A readable checkpoint whose shapes differ is not 'corrupt': no fallback, no fresh start."""
+  import pytest
+
+  from composer_jax.train.checkpoint import IncompatibleCheckpoint
+  mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+  state = _state(mesh)
+  ck = Checkpointer(str(tmp_path), keep=3)
+  ck.save(1, state, {}, {"step": 1, "config": {"model": {"d_model": 8, "n_layers": 2}}})
+  ck.save(2, state, {}, {"step": 2, "config": {"model": {"d_model": 8, "n_layers": 2}}})
+  ck.wait()
+  bigger = dict(state, params={"w": jnp.zeros((16, 8)), "b": state["params"]["b"]})
+  lines = []
+  with pytest.raises(IncompatibleCheckpoint) as e:
+    ck.restore_latest(_targets(bigger, mesh, P("x")), log=lines.append,
+                      config={"model": {"d_model": 16, "n_layers": 2}})
+  msg = str(e.value)
+  assert "\n" not in msg and not lines
+  assert "step 2" in msg and "params.w is [8, 8] float32 there, [16, 8] float32 here" in msg
+  assert "model.d_model 8 there, 16 here" in msg and "n_layers" not in msg
+  # A tree that gained an array (e.g. a float32 master copy) is incompatible too.
+  more = dict(state, params={**state["params"], "extra": jnp.zeros(3)})
+  with pytest.raises(IncompatibleCheckpoint, match="params.extra exists only here"):
+    ck.restore_latest(_targets(more, mesh, P("x")))
+  ck.close()

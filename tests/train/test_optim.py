@@ -150,6 +150,7 @@ def test_qk_clip_brings_clipped_heads_to_tau(q_lora):
   """After MuonClip on the recorded logits, the same batch's per-head max logit is exactly
   min(max, tau): nope parts scale by sqrt(g)*sqrt(g), rope parts by g*1 (shared key untouched)."""
   from flax import nnx
+
   from composer_jax.config import load_config
   from composer_jax.model import build_model
   from composer_jax.train.step import apply_qk_clip, pop_max_logits

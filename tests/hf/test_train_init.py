@@ -1,0 +1,76 @@
+"""HF weights into training and back: HF -> ``sft --init HF_DIR`` -> ``convert --to-hf RUN`` gives
+back every tensor bit for bit when the step cannot move the weights (lr 1e-30, far below half
+an ulp of every weight; no router-bias update),
+and ``--init`` also takes a ``convert --from-hf`` folder."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from composer_jax.cli import main
+from composer_jax.data.tokenizer import train_bpe
+from composer_jax.hf import save_pretrained
+from tests.hf.helpers import hf_tensors, our_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VOCAB = 272  # 256 byte symbols + 12 chat special tokens + a few merges
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  base = tmp_path_factory.mktemp("hfinit")
+  src = save_pretrained(our_model(seed=3, vocab_size=VOCAB, param_dtype="bfloat16",
+                                  compute_dtype="bfloat16"), str(base / "hf"))
+  texts = ["def add(a, b):\n  return a + b\n", "print(add(1, 2))\n"] * 20
+  train_bpe(texts, VOCAB).save(os.path.join(src, "tokenizer.json"))
+  traj = [{"role": "user", "content": "add 1 and 2"},
+          {"role": "assistant", "content": "",
+           "tool_calls": [{"name": "python", "arguments": {"code": "print(1 + 2)"}}]},
+          {"role": "tool", "tool_call_id": "functions.python:0", "content": "3"},
+          {"role": "assistant", "content": "The answer is 3."}]
+  (base / "sft.jsonl").write_text("\n".join(json.dumps({"messages": traj}) for _ in range(4)) + "\n")
+  return base, src
+
+
+def _sft(base, init, out):
+  return main(["sft", os.path.join(ROOT, "configs/tiny.yaml"), "--out", str(out), "--init", init,
+               f"data.sft_path={base / 'sft.jsonl'}", "data.seq_len=32", "data.batch_size=2",
+               "data.max_files=5", "data.heldout_fraction=0.0", "mesh.data=1", "train.steps=1",
+               "train.progress=false", "checkpoint.every=0", "checkpoint.async_save=false",
+               "optim.lr=1e-30", "optim.warmup_steps=0", "optim.qk_clip=0",
+               "model.bias_update_rate=0.0"])
+
+
+def test_hf_to_sft_to_hf_round_trip(hf_dir, capsys):
+  base, src = hf_dir
+  assert _sft(base, src, base / "run") == 0
+  out = capsys.readouterr().out
+  assert "model section from the checkpoint" in out and f"initialised weights from {src}" in out
+  with open(base / "run" / "metrics.jsonl") as f:
+    loss = json.loads(f.readline())["loss"]
+  assert np.isfinite(loss) and loss > 0
+  assert main(["convert", "--to-hf", str(base / "run"), "--out", str(base / "hf2")]) == 0
+  a, b = hf_tensors(src), hf_tensors(str(base / "hf2"))
+  assert a.keys() == b.keys()
+  for k in a:
+    assert a[k].dtype == b[k].dtype, k
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_init_from_a_converted_folder_matches_hf_init(hf_dir, capsys):
+  base, src = hf_dir
+  assert main(["convert", "--from-hf", src, "--out", str(base / "conv")]) == 0
+  # The converted folder has no tokenizer: the HF one goes into the run directory first.
+  os.makedirs(base / "run_c", exist_ok=True)
+  with open(os.path.join(src, "tokenizer.json")) as f, open(base / "run_c" / "tokenizer.json", "w") as g:
+    g.write(f.read())
+  assert _sft(base, str(base / "conv"), base / "run_c") == 0
+  assert f"initialised weights from {base / 'conv' / 'params'}" in capsys.readouterr().out
+  assert main(["convert", "--to-hf", str(base / "run_c"), "--out", str(base / "hf3")]) == 0
+  a, b = hf_tensors(src), hf_tensors(str(base / "hf3"))
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
