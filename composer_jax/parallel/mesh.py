@@ -11,6 +11,7 @@ then calls ``jax.distributed.initialize()`` before building the mesh.
 from __future__ import annotations
 
 import os
+import warnings
 
 import jax
 import numpy as np
@@ -36,7 +37,7 @@ def maybe_initialize_distributed(cfg: MeshConfig) -> None:
 def resolve_axis_sizes(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
   sizes = {a: getattr(cfg, a) for a in MESH_AXES}
   fixed = 1
-  for a, s in sizes.items():
+  for s in sizes.values():
     if s != -1:
       fixed *= s
   fill = [a for a, s in sizes.items() if s == -1]
@@ -62,7 +63,10 @@ def build_mesh(cfg: MeshConfig, devices=None) -> Mesh:
   try:
     from jax.experimental import mesh_utils
     grid = mesh_utils.create_device_mesh(shape, devices=devices[:total])
-  except Exception:  # non-TPU topologies or a partial device list: plain row-major order
+  except Exception as e:  # noqa: BLE001 -- e.g. a partial device list: any order works, slower links
+    warnings.warn(f"mesh: no topology-aware device order for {dict(zip(MESH_AXES, shape))} "
+                  f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}); "
+                  "using row-major device order", stacklevel=2)
     grid = np.asarray(devices[:total]).reshape(shape)
   mesh = Mesh(grid, MESH_AXES)
   return mesh
