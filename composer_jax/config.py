@@ -60,11 +60,7 @@ class ModelConfig:
   # Training attention (composer_jax/model/attention.py): auto = splash on TPU, Pallas/Triton on GPU,
   # blockwise (flash-style, pure JAX) elsewhere; dense = the [b, h, s, s] reference.
   attention_impl: Literal["auto", "dense", "blockwise", "splash", "pallas_gpu", "cudnn"] = "auto"
-  attention_block: int = 512  # sequence tile of the blockwise path and the kernels
-  # Training attention (composer_jax/model/attention.py): auto = splash on TPU, Pallas/Triton on GPU,
-  # blockwise (flash-style, pure JAX) elsewhere; dense = the [b, h, s, s] reference.
-  attention_impl: Literal["auto", "dense", "blockwise", "splash", "pallas_gpu", "cudnn"] = "auto"
-  attention_block: int = 512  # sequence tile of the blockwise path and the kernels
+  attention_block: int = 256  # sequence tile (blockwise, kernels); s <= block = the dense product
   # Positions.
   max_seq_len: int = 128
   rope_theta: float = 10000.0
@@ -535,7 +531,6 @@ def validate(cfg: Config) -> None:
   _require(m.yarn_factor >= 1.0, f"model.yarn_factor={m.yarn_factor} must be >= 1 (1 = plain RoPE)")
   _require(m.mtp_depths >= 0, "model.mtp_depths must be >= 0")
   _require(m.rms_eps > 0, "model.rms_eps must be positive")
-  _require(m.attention_block > 0, f"model.attention_block={m.attention_block} must be positive")
   _require(m.attention_block > 0, f"model.attention_block={m.attention_block} must be positive")
 
   d = cfg.data
