@@ -16,7 +16,7 @@ from composer_jax.config import ConfigError
 # bad input is reported before anything compiles.
 COMMAND_MODULES = [
     "composer_jax.model.cli",  # params
-    "composer_jax.hf_cli",  # convert --from-hf / --to-hf
+    "composer_jax.hf.cli",  # convert --from-hf / --to-hf
     "composer_jax.train.cli",  # pretrain, extend, sft
     "composer_jax.env.cli",  # sandbox exec, tasks generate / setup / grade
     "composer_jax.eval.cli",  # eval
