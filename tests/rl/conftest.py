@@ -1,0 +1,44 @@
+"""Shared RL fixtures: a tiny MoE init run (random weights + a small BPE) and synthetic tasks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from composer_jax.config import load_config
+
+# A small MoE (3 MoE layers, 8 experts, top-2, group-limited sigmoid routing with selection bias).
+MODEL = ["model.vocab_size=640", "model.d_model=48", "model.n_layers=4", "model.n_dense_layers=1",
+         "model.dense_ffn_dim=96", "model.n_heads=2", "model.q_lora_rank=0", "model.kv_lora_rank=16",
+         "model.qk_nope_dim=8", "model.qk_rope_dim=8", "model.v_head_dim=8",
+         "model.n_routed_experts=8", "model.moe_ffn_dim=16", "model.n_group=2", "model.topk_group=2",
+         "model.mtp_depths=0", "model.max_seq_len=2048", "mesh.data=1"]
+RL = ["rl.tasks_per_step=2", "rl.group_size=2", "rl.max_new_tokens=12", "rl.decode_batch=4",
+      "rl.max_context=2048", "env.max_turns=2", "env.tool_docs=brief", "env.timeout_s=10",
+      "checkpoint.every=1", "checkpoint.async_save=false", "train.progress=false",
+      "optim.warmup_steps=0", "optim.lr=1e-3"]
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory):
+  """An init run (random weights + a 640-token BPE), synthetic train tasks."""
+  from composer_jax.env import synthetic
+  from composer_jax.train.loop import run
+  root = tmp_path_factory.mktemp("rl")
+  corpus = root / "corpus"
+  corpus.mkdir()
+  src = [os.path.join(os.path.dirname(synthetic.__file__), f) for f in ("templates.py", "__init__.py")]
+  for i, p in enumerate(src):
+    (corpus / f"{i}.txt").write_text(open(p).read())
+  init = root / "init"
+  cfg = load_config(None, MODEL + ["train.steps=1", "data.seq_len=64", "data.batch_size=2",
+                                   f"data.sources=[{corpus}]", "data.tokenizer_train_mb=1",
+                                   "data.heldout_fraction=0", "checkpoint.async_save=false",
+                                   "train.progress=false"])
+  run(cfg, str(init))
+  tasks = root / "tasks"
+  synthetic.generate(4, seed=5, out=str(tasks), split="train")
+  return root, str(init), str(tasks)
+
+
