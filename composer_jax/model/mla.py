@@ -82,25 +82,25 @@ class MLA(nnx.Module):
     if mesh is not None and mesh.shape.get("context", 1) > 1:  # sequence sharded: balanced CP
       # gathers the latent (kv_lora_rank + rope per token), expands K/V on each device
       w = self.kv_b.w[...].astype(self.kv_b.compute_dtype)
-      o = context_attention(q_nope, q_pe, c.astype(w.dtype), k_pe, w, seg, self.scale,
-                            local=self._attend)
-      return self._out(o), None
-    kv = self.kv_b(c)  # [b, s, h, nope + v]
-    k_nope, v = kv[..., : cfg.qk_nope_dim], kv[..., cfg.qk_nope_dim:]
-    return self._out(self._attend(q_nope, q_pe, k_nope, k_pe, v, seg)), None
+      o, top = context_attention(q_nope, q_pe, c.astype(w.dtype), k_pe, w, seg, self.scale,
+                                 local=self._attend, with_max_logit=True)
+    else:
+      kv = self.kv_b(c)  # [b, s, h, nope + v]
+      k_nope, v = kv[..., : cfg.qk_nope_dim], kv[..., cfg.qk_nope_dim:]
+      o, top = self._attend(q_nope, q_pe, k_nope, k_pe, v, seg)
+    if self.record_max_logit:  # per-head max attention logit for QK-clip (MuonClip)
+      self.sow(nnx.Intermediate, "max_logit", top)
+    return self._out(o), None
 
   def _attend(self, q_nope, q_pe, k_nope, k_pe, v, seg):
-    """Causal segment attention over the concatenated nope | rope dims (the shared rope key
-    broadcast to every head): one q.k product, as the dense path always took."""
+    """(o, per-head max logit or None): causal segment attention over the concatenated nope | rope
+    dims (the shared rope key broadcast to every head), one q.k product as the dense path took."""
     cfg = self.cfg
     q = jnp.concatenate([q_nope, q_pe], axis=-1)
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], k_nope.shape[:3] + k_pe.shape[-1:])],
                         axis=-1)
-    o, top = attention(q, k, v, seg, scale=self.scale, impl=cfg.attention_impl,
-                       block=cfg.attention_block, with_max_logit=self.record_max_logit)
-    if self.record_max_logit:  # per-head max attention logit for QK-clip (MuonClip)
-      self.sow(nnx.Intermediate, "max_logit", top)
-    return o
+    return attention(q, k, v, seg, scale=self.scale, impl=cfg.attention_impl,
+                     block=cfg.attention_block, with_max_logit=self.record_max_logit)
 
   def absorbed(self, x, cos, sin, cache, seg=None):
     """Decode/prefill: attend over the cached latent with the up-projections absorbed.

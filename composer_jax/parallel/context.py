@@ -111,11 +111,14 @@ def _balanced_body(q_nope, q_pe, c_lat, k_pe, w_kv, seg, *, scale, cp_axes, n, v
   o = jnp.where(d > 0, o / jnp.where(d > 0, d, 1.0), 0.0).astype(vv.dtype)
   o0 = jax.lax.ppermute(o[:, 0], cp_axes, inv(perm0))
   o1 = jax.lax.ppermute(o[:, 1], cp_axes, inv(perm1))
-  return jnp.concatenate([o0, o1], axis=1)
+  # per-head max logit (QK-clip) over this device's pairs, then over every token shard
+  top = jax.lax.pmax(jax.lax.stop_gradient(pmax).max(axis=(0, 1, 3)), vary)
+  return jnp.concatenate([o0, o1], axis=1), top
 
 
-def dense_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale):
-  """The unsharded computation over expanded keys and values (the reference)."""
+def dense_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale, with_max_logit=False):
+  """The unsharded computation over expanded keys and values (the reference); with
+  ``with_max_logit``, (o, per-head max of the masked scaled logits [h])."""
   b, s = q_nope.shape[:2]
   scores = (jnp.einsum("bqhd,bkhd->bhqk", q_nope, k_nope, preferred_element_type=jnp.float32)
             + jnp.einsum("bqhd,bkd->bhqk", q_pe, k_pe, preferred_element_type=jnp.float32))
@@ -123,17 +126,22 @@ def dense_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale):
   mask = jnp.broadcast_to(idx[:, None] >= idx[None, :], (b, s, s))
   if seg is not None:
     mask = mask & (seg[:, :, None] == seg[:, None, :])
-  probs = jax.nn.softmax(jnp.where(mask[:, None], scores * scale, NEG_INF), axis=-1)
-  return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
+  logits = jnp.where(mask[:, None], scores * scale, NEG_INF)
+  o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+  if not with_max_logit:
+    return o
+  return o, jax.lax.stop_gradient(logits.max(axis=(0, 2, 3)))
 
 
 def context_attention(q_nope, q_pe, c, k_pe, w_kv, seg, scale: float, mesh=None, rules=None,
-                      local=None):
+                      local=None, with_max_logit=False):
   """Causal attention with the sequence sharded over context, from the MLA latent.
 
   q_nope/q_pe [b,s,h,*]; c [b,s,r] the normed latent; k_pe [b,s,rope] (roped); w_kv [r,h,dn+dv]
-  the key/value up-projection. Where no context axis is active or s does not split into 2n, K/V are
-  expanded here and ``local(q_nope, q_pe, k_nope, k_pe, v, seg)`` runs (default: dense_attention).
+  the key/value up-projection. Returns o [b,s,h,dv], or with ``with_max_logit`` (o, per-head max
+  logit [h], no gradient) for QK-clip. Where no context axis is active or s does not split into 2n,
+  K/V are expanded here and ``local(q_nope, q_pe, k_nope, k_pe, v, seg)`` runs (default:
+  dense_attention); it returns what this function would.
   """
   if mesh is None:
     mesh, rules = active()
@@ -149,7 +157,7 @@ def context_attention(q_nope, q_pe, c, k_pe, w_kv, seg, scale: float, mesh=None,
     k_nope, v = _expand(c, w_kv, q_nope.shape[-1])
     if local is not None:
       return local(q_nope, q_pe, k_nope, k_pe, v, seg)
-    return dense_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale)
+    return dense_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale, with_max_logit)
   if seg is None:
     seg = jnp.ones((b, s), jnp.int32)
   q_spec = spec
@@ -163,5 +171,6 @@ def context_attention(q_nope, q_pe, c, k_pe, w_kv, seg, scale: float, mesh=None,
     return _balanced_body(*args, scale=scale, cp_axes=cp_axes, n=n, vary=vary)
 
   fn = jax.shard_map(body, mesh=mesh, in_specs=(q_spec, q_spec, lat_spec, lat_spec, w_spec, seg_spec),
-                     out_specs=q_spec)
-  return fn(q_nope, q_pe, c, k_pe, w_kv, seg.astype(jnp.int32))
+                     out_specs=(q_spec, P(spec[2])))
+  o, top = fn(q_nope, q_pe, c, k_pe, w_kv, seg.astype(jnp.int32))
+  return (o, top) if with_max_logit else o

@@ -37,7 +37,7 @@ def numpy_attention(qn, qp, c, kp, w, seg):
   s = np.where(mask[:, None], s, -np.inf)
   p = np.exp(s - s.max(-1, keepdims=True))
   p = p / p.sum(-1, keepdims=True)
-  return np.einsum("bhqk,bkhd->bqhd", p, v)
+  return np.einsum("bhqk,bkhd->bqhd", p, v), s.max(axis=(0, 2, 3))
 
 
 def inputs():
@@ -70,10 +70,11 @@ def test_matches_numpy(axes):
   fn = lambda *a: context_attention(*a, seg, SCALE)
   args = (qn, qp, c, kp, w)
   with activate(mesh, make_rules()):
-    out = jax.jit(fn)(*args)
+    out, top = jax.jit(lambda *a: context_attention(*a, seg, SCALE, with_max_logit=True))(*args)
     g = jax.jit(jax.grad(lambda *a: (fn(*a) ** 2).sum(), argnums=(0, 1, 2, 3, 4)))(*args)
-  np.testing.assert_allclose(np.asarray(out, np.float64), numpy_attention(*args, seg),
-                             rtol=1e-5, atol=1e-5)
+  want, want_top = numpy_attention(*args, seg)
+  np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(top, np.float64), want_top, rtol=1e-5)  # QK-clip statistic
   ref = jax.grad(lambda *a: (reference(*a, seg) ** 2).sum(), argnums=(0, 1, 2, 3, 4))(*args)
   for a, b in zip(g, ref):  # includes kv_b's gradient, summed over the devices
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
@@ -97,5 +98,5 @@ def test_falls_back_to_local_attention_without_context_axis():
   local = lambda *a: seen.append(1) or dense_attention(*a, SCALE)
   out = context_attention(qn, qp, c, kp, w, seg, SCALE, local=local)
   assert seen
-  np.testing.assert_allclose(np.asarray(out, np.float64), numpy_attention(qn, qp, c, kp, w, seg),
+  np.testing.assert_allclose(np.asarray(out, np.float64), numpy_attention(qn, qp, c, kp, w, seg)[0],
                              rtol=1e-5, atol=1e-5)
