@@ -174,9 +174,12 @@ class RLConfig:
   seed: int = 0
   tasks: str = ""  # folder of training task directories (`tasks generate --synthetic ... --out`)
   eval_tasks: str = ""  # held-out task folder, evaluated at the end ("" = none)
-  async_: bool = False  # asynchronous Ray workers (issue 12); false = synchronous loop
-  max_staleness: int = 1  # versions a trajectory may lag the learner when trained on
-  num_workers: int = 1
+  async_: bool = False  # YAML/override key `rl.async`: Ray rollout workers (rl/async_loop.py)
+  max_staleness: int = 1  # versions a trajectory may lag the learner when trained on (older: re-sampled)
+  num_workers: int = 1  # Ray rollout actors (1 CPU each)
+  ray_address: str = ""  # "" = start Ray locally; else join this cluster (e.g. "auto", "ray://h:10001")
+  weight_delta: bool = True  # broadcast XOR deltas between full copies (rl/weights.py)
+  full_sync_every: int = 10  # a full weight copy every N versions
   # Sampling.
   max_new_tokens: int = 256  # per assistant turn
   max_context: int = 0  # cache length of one segment (prompt + turns); 0 = model.max_seq_len
@@ -393,6 +396,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
 def _build(cls, data: dict, prefix: str):
   hints = typing.get_type_hints(cls)
   names = {f.name for f in dataclasses.fields(cls)}
+  if "async" in data and "async_" in names:  # `async` is a Python keyword: the field is `async_`
+    data = {("async_" if k == "async" else k): v for k, v in data.items()}
   for key in data:
     if key not in names:
       close = [n for n in names if n.startswith(key[:3])]
@@ -605,6 +610,8 @@ def validate(cfg: Config) -> None:
            f"model.vocab_size={cfg.model.vocab_size} (use 0 for the full vocabulary)")
   for name in ("steps", "max_summaries", "top_k", "summary_trigger_tokens"):
     _require(getattr(r, name) >= 0, f"rl.{name}={getattr(r, name)} must be >= 0")
+  _require(r.max_staleness >= 0, f"rl.max_staleness={r.max_staleness} must be >= 0 (0 = on-policy)")
+  _require(r.full_sync_every >= 1, f"rl.full_sync_every={r.full_sync_every} must be >= 1")
   for name in ("tasks_per_step", "minibatches", "decode_batch", "max_new_tokens", "num_workers"):
     _require(getattr(r, name) >= 1, f"rl.{name}={getattr(r, name)} must be >= 1")
   _require(r.temperature > 0, f"rl.temperature={r.temperature} must be > 0")

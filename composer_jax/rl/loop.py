@@ -14,6 +14,7 @@ eval/summary.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -94,8 +95,10 @@ class RLRun:
     from composer_jax.rl.sampler import Engine
     from composer_jax.train import checkpoint as ckpt_lib
     from composer_jax.train.loop import MetricsLog, _from_items, _items, build_trainer
-    self.cfg, self.out, self.log = cfg, out_dir, log
     rl = cfg.rl
+    if cfg.train.steps != rl.steps:  # the optimizer's schedule spans the RL steps
+      cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=rl.steps))
+    self.cfg, self.out, self.log = cfg, out_dir, log
     self.tasks = load_task_set(rl.tasks, "rl.tasks")
     self.mode = check_isolation(cfg)
     os.makedirs(out_dir, exist_ok=True)
@@ -115,11 +118,13 @@ class RLRun:
     self._items, self._from_items = _items, _from_items
     self.stream = TaskStream(len(self.tasks), rl.seed)
     self.start = 0
+    self.resumed_data: dict | None = None  # the checkpoint's JSON data item, when resumed
     restored = self.ck.restore_latest(_items(self.tr.state)) if resume else None
     if restored is not None:
       self.start, items = restored
       self.tr.state = _from_items(items)
       self.stream.set_state(items["data"]["tasks"])
+      self.resumed_data = items["data"]
       log(f"resumed from {self.ck.directory}/{self.start}")
     elif init:
       src = ckpt_lib.Checkpointer(init_ckpt, keep=1000, async_save=False)
@@ -178,12 +183,17 @@ class RLRun:
     return batch, info
 
   def step(self, step: int) -> dict:
-    from composer_jax.train.loop import put_batch
-    cfg, rl = self.cfg, self.cfg.rl
+    rl = self.cfg.rl
     chosen = self.stream.take(rl.tasks_per_step)
     jobs = [Job(self.tasks[t], g, s) for g, t in enumerate(chosen) for s in range(rl.group_size)]
     t0 = time.perf_counter()
     rollouts = self.runner.run(jobs)
+    return self.learn(step, rollouts, time.perf_counter() - t0)
+
+  def learn(self, step: int, rollouts: list, rollout_s: float) -> dict:
+    """Score a step's rollouts, update the policy, publish the new weights; the step's metrics."""
+    from composer_jax.train.loop import put_batch
+    cfg, rl = self.cfg, self.cfg.rl
     t1 = time.perf_counter()
     stats = L.score_rollouts(rollouts, cfg, ks=sorted({1, rl.group_size}))
     batch, info = self._batch(rollouts, stats)
@@ -196,7 +206,7 @@ class RLRun:
       for k, v in jax.device_get(out).items():
         learn[k] = learn.get(k, 0.0) + float(v) / n_mb
     t2 = time.perf_counter()
-    self.engine.set_weights(self.tr.state["params"], self.tr.state["rest"], step)
+    self.publish(step)
     grading = sum(float(r.traj.grade.get("seconds", 0.0)) for r in rollouts)
     rec = {"step": step, "reward_mean": stats["reward_mean"], "pass_rate": stats["pass_rate"],
            **{k: v for k, v in stats.items() if k.startswith("pass@") or k.startswith("pass^")},
@@ -207,8 +217,8 @@ class RLRun:
            "segments": int(sum(len(r.segments) for r in rollouts)),
            "tokens_per_segment": float(np.mean([len(s) for r in rollouts for s in r.segments])),
            "flagged_hacks": stats["flagged_hacks"], "cut_episodes": int(sum(r.cut for r in rollouts)),
-           "rollout_s": t1 - t0, "grading_s": grading, "learn_s": t2 - t1,
-           "rollout_tokens_per_s": sum(r.completion_tokens for r in rollouts) / max(t1 - t0, 1e-9),
+           "rollout_s": rollout_s, "grading_s": grading, "learn_s": t2 - t1,
+           "rollout_tokens_per_s": sum(r.completion_tokens for r in rollouts) / max(rollout_s, 1e-9),
            "version": step, **learn}
     rec.setdefault("feedback_kl", 0.0)
     rec.setdefault("routing_mismatch_frac", 0.0)
@@ -216,6 +226,13 @@ class RLRun:
       self.rollout_file.write(json.dumps(rollout_record(step, r)) + "\n")
     self.rollout_file.flush()
     return rec
+
+  def publish(self, version: int) -> None:
+    """The sampler gets the new weights (the async loop broadcasts them to its workers too)."""
+    self.engine.set_weights(self.tr.state["params"], self.tr.state["rest"], version)
+
+  def checkpoint_data(self, step: int) -> dict:
+    return {"tasks": self.stream.state(), "version": step}
 
   def run(self) -> dict:
     from tqdm import tqdm
@@ -232,7 +249,7 @@ class RLRun:
       bar.set_postfix(reward=f"{last['reward_mean']:.3f}", pass_=f"{last['pass_rate']:.2f}")
       bar.update(1)
       if self.ck.should_save(step, total):
-        self.ck.save(step, self._items(self.tr.state), {"tasks": self.stream.state(), "version": step},
+        self.ck.save(step, self._items(self.tr.state), self.checkpoint_data(step),
                      {"step": step, "stage": "rl", "config": cfg.to_dict()})
     bar.close()
     self.ck.close()
@@ -345,4 +362,7 @@ def eval_run_dir(run_dir: str, tasks: list, samples: int, out_dir: str, override
 
 def run_rl(cfg: Config, out_dir: str, *, init: str | None = None, resume: bool = False,
            log=print) -> dict:
+  if cfg.rl.async_:
+    from composer_jax.rl.async_loop import AsyncRLRun
+    return AsyncRLRun(cfg, out_dir, init=init, resume=resume, log=log).run()
   return RLRun(cfg, out_dir, init=init, resume=resume, log=log).run()

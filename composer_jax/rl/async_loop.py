@@ -1,0 +1,135 @@
+"""Asynchronous RL (``rl.async=true``): Ray rollout workers sample while the learner trains.
+
+``AsyncRLRun`` is ``RLRun`` (trainer, scoring, learner batch, metrics, checkpoints, eval) with a
+different source of rollouts: ``step()`` keeps the workers fed with task groups from the ``Ledger``
+(at most ``tasks_per_step x (max_staleness + 1)`` groups outstanding: more would only go stale),
+waits until ``tasks_per_step`` fresh groups have arrived, drops any group whose oldest token lags the
+learner by more than ``rl.max_staleness`` versions (its task is re-queued and re-sampled; counted in
+``dropped_stale``), trains on the oldest fresh groups, and broadcasts the new weights. Staleness
+within the bound is corrected by the loss's importance weights (``rl.is_clip``), as in the seeds.
+
+The workers are topped up *before* the update, so sampling of the next groups overlaps learning.
+The checkpoint carries the ledger (task stream, re-queued and pending tasks) next to the version and
+the trainer's RNG; a resumed run re-queues every task that was handed out but not trained on.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+
+import numpy as np
+
+from composer_jax.rl.loop import RLRun
+from composer_jax.rl.orchestrator import Ledger, Orchestrator
+
+
+class AsyncRLRun(RLRun):
+
+  def __init__(self, cfg, out_dir: str, *, init: str | None = None, resume: bool = False, log=print):
+    super().__init__(cfg, out_dir, init=init, resume=resume, log=log)
+    rl = cfg.rl
+    self.ledger = Ledger(self.stream)
+    if self.resumed_data and "ledger" in self.resumed_data:
+      self.ledger.set_state(self.resumed_data["ledger"])
+      if self.ledger.queue:
+        log(f"[rl] re-queued {len(self.ledger.queue)} task(s) pending at the checkpoint")
+    self.version = self.start
+    self.buffer: list[tuple[int, list]] = []  # (group id, rollouts), arrival order
+    self.counts = collections.Counter(dropped_stale=0)
+    self.per_unit = max(1, min(rl.tasks_per_step, rl.decode_batch // rl.group_size))
+    self.max_outstanding = rl.tasks_per_step * (rl.max_staleness + 1)
+    self.worker_stats: dict[int, dict] = {}
+    self.tokens_since = 0
+    self.t_last = time.perf_counter()
+    self.orch = Orchestrator(cfg, os.path.join(out_dir, "tokenizer.json"), log=log)
+    self.last_broadcast = self.orch.broadcast((self.tr.state["params"], self.tr.state["rest"]),
+                                              self.version)
+
+  # -- work in flight -------------------------------------------------------------------------------
+
+  def top_up(self) -> None:
+    """Hand out units until the outstanding groups reach the staleness-derived bound."""
+    while (n := min(self.per_unit, self.max_outstanding - self.ledger.outstanding())) > 0:
+      self.orch.submit(self.ledger.take(n))
+
+  def _collect(self, timeout: float) -> None:
+    results, lost = self.orch.wait(timeout)
+    for unit in lost:
+      for gid, _ in unit:
+        self.ledger.requeue(gid)
+    for res in results:
+      self.tokens_since += res["tokens"]
+      self.worker_stats[res["worker"]] = res
+      for gid, rollouts in sorted(res["groups"].items()):
+        self.buffer.append((gid, rollouts))
+
+  def staleness(self, rollouts: list) -> int:
+    """Learner version minus the oldest version that sampled a token of the group."""
+    vs = [int(s.versions[s.loss_mask > 0].min()) for r in rollouts for s in r.segments
+          if s.generated]
+    return self.version - min(vs) if vs else 0
+
+  def _drop_stale(self) -> None:
+    keep = []
+    for gid, rollouts in self.buffer:
+      if self.staleness(rollouts) > self.cfg.rl.max_staleness:
+        self.ledger.requeue(gid)  # re-sampled with fresher weights
+        self.counts["dropped_stale"] += 1
+      else:
+        keep.append((gid, rollouts))
+    self.buffer = keep
+
+  # -- one learner step -------------------------------------------------------------------------------
+
+  def step(self, step: int) -> dict:
+    rl = self.cfg.rl
+    t0 = time.perf_counter()
+    self.top_up()
+    self._drop_stale()
+    while len(self.buffer) < rl.tasks_per_step:
+      self._collect(timeout=1.0)
+      self._drop_stale()
+      self.top_up()
+    waited = time.perf_counter() - t0
+    chosen, self.buffer = self.buffer[: rl.tasks_per_step], self.buffer[rl.tasks_per_step:]
+    rollouts, stale = [], []
+    for g, (gid, rs) in enumerate(chosen):
+      stale.append(self.staleness(rs))
+      for r in rs:
+        r.group = g
+        rollouts.append(r)
+      self.ledger.done(gid)
+    self.top_up()  # the workers sample the next groups while the learner updates
+    rec = self.learn(step, rollouts, waited)
+    now = time.perf_counter()
+    ws = list(self.worker_stats.values())
+    busy, alive = sum(w["busy_s"] for w in ws), sum(w["alive_s"] for w in ws)
+    rec.update({
+        "staleness_mean": float(np.mean(stale)), "staleness_max": int(max(stale)),
+        "dropped_stale": self.counts["dropped_stale"], **self.orch.counts,
+        "full_copies": int(sum(w["full_copies"] for w in ws)),
+        "checksum_failures": int(sum(w["checksum_failures"] for w in ws)),
+        "weight_swaps": int(sum(w["swaps"] for w in ws)),
+        "learner_idle_frac": waited / max(now - t0, 1e-9),
+        "rollout_idle_frac": 1.0 - busy / alive if alive else 0.0,
+        "rollout_tokens_per_s": self.tokens_since / max(now - self.t_last, 1e-9),
+        **self.last_broadcast})
+    self.tokens_since, self.t_last = 0, now
+    return rec
+
+  def publish(self, version: int) -> None:
+    super().publish(version)  # the local engine (end-of-run eval) follows the learner too
+    self.version = version
+    self.last_broadcast = self.orch.broadcast((self.tr.state["params"], self.tr.state["rest"]),
+                                              version)
+
+  def checkpoint_data(self, step: int) -> dict:
+    return {**super().checkpoint_data(step), "ledger": self.ledger.state()}
+
+  def run(self) -> dict:
+    try:
+      return super().run()
+    finally:
+      self.orch.shutdown()

@@ -1,0 +1,297 @@
+"""Rollout workers on Ray, the learner's ledger of handed-out work, and the weight broadcast.
+
+Each ``RolloutWorker`` is a Ray actor (1 CPU, ``JAX_PLATFORMS=cpu``) holding its own sampler engine
+and environment pool (``RolloutRunner``, sandboxed: ``require_isolation`` as in the sync loop). It has
+two concurrency groups: ``rollouts`` runs one unit of work at a time (a few task groups played with
+continuous batching), ``weights`` takes broadcast messages while a unit runs. A message is the
+``weights.Publisher`` chain of object-store refs (one put, many gets); the engine applies the newest
+chain *between decode steps* (``_SwapEngine.step``), so an episode may span versions and every token
+records the version that sampled it.
+
+The learner side (``Orchestrator``) bounds the work in flight (trajectories reach it through the
+ObjectRefs of finished units, at most ``max_units`` outstanding), notices a dead worker (SIGKILL:
+its refs raise ``RayActorError``), hands that worker's units back for re-queueing, and replaces it.
+``Ledger`` is the learner's record of which tasks are handed out but not yet trained on; it is what
+the checkpoint carries, so a resumed run neither loses nor repeats a task.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+
+from composer_jax.config import Config
+
+# --------------------------------------------------------------------------------------------------
+# The ledger (pure; no Ray)
+# --------------------------------------------------------------------------------------------------
+
+
+class Ledger:
+  """Task groups handed out and not yet trained on. ``take`` serves re-queued tasks first, then the
+  task stream; ``done`` retires a group once trained; ``requeue`` gives a group's task back (a dead
+  worker, a stale trajectory). ``state()`` round-trips through a JSON checkpoint: on resume every
+  pending task is re-queued, so a task taken before the crash is trained exactly once."""
+
+  def __init__(self, stream):
+    self.stream = stream
+    self.pending: dict[int, int] = {}  # group id -> task index
+    self.queue: collections.deque = collections.deque()  # task indices to hand out before the stream
+    self.next_gid = 0
+
+  def take(self, k: int) -> list[tuple[int, int]]:
+    out = []
+    for _ in range(k):
+      task = self.queue.popleft() if self.queue else self.stream.take(1)[0]
+      gid, self.next_gid = self.next_gid, self.next_gid + 1
+      self.pending[gid] = task
+      out.append((gid, task))
+    return out
+
+  def requeue(self, gid: int) -> None:
+    if gid in self.pending:
+      self.queue.append(self.pending.pop(gid))
+
+  def done(self, gid: int) -> None:
+    self.pending.pop(gid)
+
+  def outstanding(self) -> int:
+    return len(self.pending)
+
+  def state(self) -> dict:
+    return {"stream": self.stream.state(), "queue": list(self.queue) + list(self.pending.values()),
+            "next_gid": self.next_gid}
+
+  def set_state(self, st: dict) -> None:
+    self.stream.set_state(st["stream"])
+    self.pending, self.queue = {}, collections.deque(int(t) for t in st["queue"])
+    self.next_gid = int(st["next_gid"])
+
+
+# --------------------------------------------------------------------------------------------------
+# The worker (runs inside a Ray actor process)
+# --------------------------------------------------------------------------------------------------
+
+
+def _swap_engine_class():
+  from composer_jax.rl.sampler import Engine
+
+  class _SwapEngine(Engine):
+    """An Engine that takes the newest broadcast weights before each decode step."""
+
+    def __init__(self, *a, swap, **kw):
+      super().__init__(*a, **kw)
+      self._swap = swap
+
+    def step(self):
+      self._swap()
+      return super().step()
+
+  return _SwapEngine
+
+
+class RolloutWorker:
+  """A sampler + environment pool. Built inside the actor from the learner's resolved config."""
+
+  def __init__(self, cfg_dict: dict, tok_path: str, worker_id: int, seed: int):
+    import jax
+    import ray
+    from flax import nnx
+
+    from composer_jax.config import from_dict
+    from composer_jax.data.tokenizer import load_tokenizer
+    from composer_jax.env.sandbox import require_isolation
+    from composer_jax.model.build import abstract_model
+    from composer_jax.rl.agent import RolloutRunner
+    from composer_jax.rl.loop import load_task_set
+    from composer_jax.rl.weights import Receiver
+    self.born = time.perf_counter()
+    self.cfg = cfg = from_dict(cfg_dict)
+    self.mode = require_isolation(cfg.env.sandbox, "model-driven episodes")
+    self.tasks = load_task_set(cfg.rl.tasks, "rl.tasks")
+    self.tok = load_tokenizer(tok_path)
+    self.id, self.seed = worker_id, seed
+    self.graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
+    self.treedef = jax.tree_util.tree_structure((params, rest))
+    self.rx = Receiver(get=ray.get)
+    self.lock = threading.Lock()
+    self.mailbox: list | None = None
+    self.engine = self.runner = None
+    self.busy_s = 0.0
+    self.busy = False
+    self.swaps = 0
+    self._RolloutRunner = RolloutRunner
+
+  # -- weights group ------------------------------------------------------------------------------
+
+  def push(self, chain: list) -> None:
+    with self.lock:
+      self.mailbox = chain
+
+  def info(self) -> dict:
+    return {"pid": os.getpid(), "busy": self.busy, "version": self.rx.version}
+
+  # -- rollouts group -----------------------------------------------------------------------------
+
+  def _swap(self) -> None:
+    import jax
+    import jax.numpy as jnp
+    with self.lock:
+      chain, self.mailbox = self.mailbox, None
+    if chain is None or not self.rx.apply(chain):
+      return
+    params, rest = jax.tree_util.tree_unflatten(self.treedef, [jnp.asarray(a) for a in self.rx.arrays])
+    if self.engine is None:
+      rl = self.cfg.rl
+      self.engine = _swap_engine_class()(self.graphdef, params, rest, self.cfg, n_slots=rl.decode_batch,
+                                         max_len=rl.max_context, seed=self.seed,
+                                         version=self.rx.version, swap=self._swap)
+      self.runner = self._RolloutRunner(self.engine, self.tok, self.cfg, mode=self.mode)
+    else:
+      self.engine.set_weights(params, rest, self.rx.version)
+      self.swaps += 1
+
+  def run(self, unit: list[tuple[int, int]]) -> dict:
+    """Play ``group_size`` episodes of each (group id, task index); the rollouts per group id."""
+    from composer_jax.rl.agent import Job
+    t0 = time.perf_counter()
+    self.busy = True
+    try:
+      self._swap()
+      deadline = time.perf_counter() + 600
+      while self.engine is None:  # the first weights travel in the other concurrency group
+        if time.perf_counter() > deadline:
+          raise RuntimeError("rollout worker got work but no weights within 600 s")
+        time.sleep(0.02)
+        self._swap()
+      g = self.cfg.rl.group_size
+      jobs = [Job(self.tasks[t], gid, s) for gid, t in unit for s in range(g)]
+      tokens0 = self.engine.stats["tokens_decoded"]
+      rollouts = self.runner.run(jobs)
+      by_gid: dict[int, list] = {}
+      for r in rollouts:
+        by_gid.setdefault(r.group, []).append(r)
+      tokens = self.engine.stats["tokens_decoded"] - tokens0
+    finally:
+      self.busy = False
+      self.busy_s += time.perf_counter() - t0
+    return {"groups": by_gid, "worker": self.id, "tokens": int(tokens),
+            "busy_s": self.busy_s, "alive_s": time.perf_counter() - self.born,
+            "full_copies": self.rx.full_copies, "checksum_failures": self.rx.checksum_failures,
+            "swaps": self.swaps}
+
+
+# --------------------------------------------------------------------------------------------------
+# The learner's side
+# --------------------------------------------------------------------------------------------------
+
+
+def _runtime_env() -> dict:
+  """JAX on CPU inside actors, one thread pool each; the persistent compilation cache is shared so a
+  second (or replacement) worker loads what the first compiled."""
+  import jax
+  env = {"JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1", "XLA_FLAGS": "",
+         "TF_CPP_MIN_LOG_LEVEL": "3"}
+  cache = jax.config.jax_compilation_cache_dir
+  if cache:
+    env["JAX_COMPILATION_CACHE_DIR"] = cache
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+  return {"env_vars": env}
+
+
+class Orchestrator:
+  """Starts Ray (or joins ``rl.ray_address``), spawns ``rl.num_workers`` workers, broadcasts weights,
+  submits units and collects their results; replaces dead workers."""
+
+  def __init__(self, cfg: Config, tok_path: str, log=print, worker_cls=None):
+    import ray
+
+    from composer_jax.rl.weights import Publisher
+    self.cfg, self.tok_path, self.log = cfg, tok_path, log
+    rl = cfg.rl
+    self.own_ray = not ray.is_initialized()
+    if self.own_ray:
+      ray.init(address=rl.ray_address or None, include_dashboard=False, log_to_driver=False,
+               configure_logging=False, **({} if rl.ray_address else {"num_cpus": max(2, rl.num_workers)}))
+    self.actor_cls = ray.remote(num_cpus=1, max_restarts=0, concurrency_groups={"weights": 1, "rollouts": 1})(
+        worker_cls or RolloutWorker).options(runtime_env=_runtime_env())
+    self.publisher = Publisher(rl.full_sync_every, rl.weight_delta, put=ray.put)
+    self.cfg_dict = cfg.to_dict()
+    self.workers: dict[int, object] = {}
+    self.inflight: dict[object, tuple[int, list]] = {}  # ref -> (worker id, unit)
+    self.spawned = 0
+    self.counts = collections.Counter(worker_deaths=0, requeued=0)
+    self.broadcast_s = 0.0
+    for _ in range(rl.num_workers):
+      self._spawn()
+
+  def _spawn(self) -> int:
+    wid = self.spawned
+    self.spawned += 1
+    seed = self.cfg.rl.seed * 1000 + 17 + wid
+    self.workers[wid] = self.actor_cls.remote(self.cfg_dict, self.tok_path, wid, seed)
+    if self.publisher.chain:
+      self._push(self.workers[wid])
+    return wid
+
+  def _push(self, w) -> None:
+    w.push.options(concurrency_group="weights").remote(self.publisher.chain)
+
+  def broadcast(self, tree, version: int) -> dict:
+    """One put per update, the chain to every worker; returns sizes and time."""
+    t0 = time.perf_counter()
+    chain = self.publisher.publish(tree, version)
+    for w in self.workers.values():
+      self._push(w)
+    dt = time.perf_counter() - t0
+    self.broadcast_s += dt
+    return {"broadcast_s": dt, "broadcast_bytes": self.publisher.last_bytes, "broadcast_kind": chain[-1][1]}
+
+  def load(self, wid: int) -> int:
+    return sum(1 for w, _ in self.inflight.values() if w == wid)
+
+  def submit(self, unit: list[tuple[int, int]]) -> None:
+    wid = min(self.workers, key=self.load)
+    ref = self.workers[wid].run.options(concurrency_group="rollouts").remote(unit)
+    self.inflight[ref] = (wid, unit)
+
+  def worker_info(self) -> dict:
+    import ray
+    return {wid: ray.get(w.info.options(concurrency_group="weights").remote())
+            for wid, w in self.workers.items()}
+
+  def wait(self, timeout: float) -> tuple[list[dict], list[list]]:
+    """(results of finished units, units lost with a dead worker); a dead worker is replaced."""
+    import ray
+    if not self.inflight:
+      return [], []
+    ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=timeout)
+    results, lost = [], []
+    for ref in ready:
+      if ref not in self.inflight:
+        continue
+      wid, unit = self.inflight.pop(ref)
+      try:
+        results.append(ray.get(ref))
+      except ray.exceptions.RayActorError as e:
+        lost.append(unit)
+        if wid in self.workers:  # every unit queued on it is lost too; replace it once
+          for r in [r for r, (w, _) in self.inflight.items() if w == wid]:
+            lost.append(self.inflight.pop(r)[1])
+          del self.workers[wid]
+          self.counts["worker_deaths"] += 1
+          new = self._spawn()
+          self.log(f"[rl] rollout worker {wid} died ({type(e).__name__}); "
+                   f"{len(lost)} unit(s) re-queued; worker {new} replaces it")
+    self.counts["requeued"] += sum(len(u) for u in lost)
+    return results, lost
+
+  def shutdown(self) -> None:
+    import ray
+    for w in self.workers.values():
+      ray.kill(w)
+    self.workers, self.inflight = {}, {}
+    if self.own_ray:
+      ray.shutdown()
