@@ -26,7 +26,8 @@ OVR = ["model.vocab_size=97", "model.d_model=32", "model.n_layers=3", "model.n_d
        "model.n_group=4", "model.topk_group=2", "model.routed_scaling_factor=2.5",
        "model.mtp_depths=1", "model.init_std=0.2", "model.yarn_factor=8.0",
        "model.yarn_original_max_position=16", "model.yarn_beta_fast=32", "model.yarn_beta_slow=1",
-       "model.yarn_mscale_all_dim=1.0", "data.seq_len=12", "model.max_seq_len=64"]
+       "model.yarn_mscale_all_dim=1.0", "data.seq_len=12", "model.max_seq_len=64",
+       "rl.max_context=64"]
 
 
 def close(ours, theirs, rtol=RTOL):
