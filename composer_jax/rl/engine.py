@@ -12,7 +12,8 @@ buffers are donated and updated in place.
 An episode (``Request.key``) keeps its slot and cache between turns. The last token of a turn is
 sampled but never fed; the next turn feeds it first, then its ``new_tokens`` (so an episode's
 ``context_tokens``, concatenated over its turns, plus the last turn's final token, are exactly the
-sequence the model read and wrote). Per fed token the engine records the routed experts of every
+sequence the model read and wrote; a turn refused with finish="context" feeds and generates
+nothing, so the final token is then the previous turn's). Per fed token the engine records the routed experts of every
 MoE layer (router replay); per generated token its log-prob (see composer_jax.rl.sampling) and the
 weight version that produced it.
 """
