@@ -329,16 +329,24 @@ def cudnn(q, k, v, seg, scale):
 
 def _per_shard(fn, q, k, v, seg):
   """Run a kernel per (batch, head) shard of the active mesh: XLA cannot partition a custom call,
-  so without this a sharded batch would be gathered onto every device first."""
+  so without this a sharded batch would be gathered onto every device first.
+
+  The Pallas kernels declare no varying-axes types, so the shard_map runs with check_vma=False;
+  that is only sound when every mesh axis of size > 1 shards the batch or the heads (no replicated
+  input whose gradient would need a psum). Otherwise the kernel is called unsharded.
+  """
   mesh, rules = active()
   if mesh is None or mesh.size == 1:
     return fn(q, k, v, seg)
   spec = spec_for(("act_batch", None, "act_heads", None), q.shape, mesh, rules, what="attention",
                   strict=False)
+  used = {a for e in (spec[0], spec[2]) for a in (e if isinstance(e, tuple) else (e,)) if a}
+  if any(n > 1 and a not in used for a, n in mesh.shape.items()):
+    return fn(q, k, v, seg)
   b, s = q.shape[:2]
   seg = jnp.ones((b, s), jnp.int32) if seg is None else seg.astype(jnp.int32)
   return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, P(spec[0], None)),
-                       out_specs=spec)(q, k, v, seg)
+                       out_specs=spec, check_vma=False)(q, k, v, seg)
 
 
 # --------------------------------------------------------------------------------------------------
