@@ -170,6 +170,8 @@ class Engine:
 
   def release(self, key) -> None:
     """The episode is over: its slot (and cache) becomes free."""
+    if any(r.key == key for _, r in self._pending):
+      raise ValueError(f"release({key!r}) with a turn of it still waiting: step until it finishes")
     i = self._slot_of.pop(key, None)
     if i is None:
       return

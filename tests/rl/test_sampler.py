@@ -144,6 +144,9 @@ def test_context_full_stops_the_turn(setup):
   assert eng.free_slots() == 2 and not eng.busy()
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     eng.submit(Request("y", [1], 0, ()))
+  eng.submit(Request("z", [1], 1, ()))
+  with pytest.raises(ValueError, match="still waiting"):
+    eng.release("z")
   # Explicit keys: one seed replays the same draws (the compiled call is shared); another differs.
   again = [Engine(graphdef, params, rest, cfg, n_slots=2, max_len=20, seed=s).run(
       [Request("x", list(range(1, 13)), 30, ())])[0].tokens for s in (1, 2)]
