@@ -60,7 +60,7 @@ class ModelConfig:
   # Training attention (composer_jax/model/attention.py): auto = splash on TPU, Pallas/Triton on GPU,
   # blockwise (flash-style, pure JAX) elsewhere; dense = the [b, h, s, s] reference.
   attention_impl: Literal["auto", "dense", "blockwise", "splash", "pallas_gpu", "cudnn"] = "auto"
-  attention_block: int = 256  # sequence tile (blockwise, kernels); s <= block = the dense product
+  attention_block: int = 128  # blockwise tile (splash: at least 512); s <= block = the dense product
   # Positions.
   max_seq_len: int = 128
   rope_theta: float = 10000.0
