@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 
+import ml_dtypes
 import numpy as np
 
 
@@ -33,7 +34,9 @@ class Update:
   kind: str  # "full" | "delta"
   base: int  # version a delta applies to (-1 for full)
   names: tuple  # tensor names (tree paths), in leaf order
-  data: list  # full: np.ndarray per tensor; delta: zlib(XOR bytes) or None (unchanged) per tensor
+  # full: each tensor's raw bits as an unsigned-int array (bf16 -> uint16: pickle protocol 5, and so
+  # Ray's zero-copy path, only handles builtin dtypes); delta: zlib(XOR bytes) or None (unchanged)
+  data: list
   checksums: list  # CRC32 of each tensor's new raw bytes
   dtypes: tuple = ()
   shapes: tuple = ()
@@ -53,6 +56,10 @@ def _bits(a: np.ndarray) -> np.ndarray:
   return a.reshape(-1).view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[width])
 
 
+def _dtype(name: str) -> np.dtype:
+  return np.dtype(getattr(ml_dtypes, name, name))
+
+
 def checksum(a: np.ndarray) -> int:
   return zlib.crc32(_bits(a).view(np.uint8))
 
@@ -67,7 +74,8 @@ def flatten(tree) -> tuple[tuple, list[np.ndarray]]:
 
 def encode_full(version: int, names, arrays) -> Update:
   arrays = [np.ascontiguousarray(a) for a in arrays]
-  return Update(version, "full", -1, tuple(names), arrays, [checksum(a) for a in arrays],
+  return Update(version, "full", -1, tuple(names), [_bits(a).reshape(a.shape) for a in arrays],
+                [checksum(a) for a in arrays],
                 tuple(str(a.dtype) for a in arrays), tuple(a.shape for a in arrays))
 
 
@@ -87,7 +95,7 @@ def encode_delta(version: int, base: int, names, prev, new, level: int = 1) -> U
 def decode(update: Update, prev: list | None) -> list[np.ndarray]:
   """The tensors of ``update`` (a delta applies to ``prev``); raises ChecksumError on a mismatch."""
   if update.kind == "full":
-    out = [np.array(a, copy=True) for a in update.data]
+    out = [np.array(a, copy=True).view(_dtype(d)) for a, d in zip(update.data, update.dtypes)]
   else:
     if prev is None or len(prev) != len(update.data):
       raise ChecksumError(f"delta to version {update.version} needs the tensors of version {update.base}")

@@ -1,0 +1,176 @@
+"""Weight broadcast: (1) time to deliver one weight update to N local Ray workers through the object
+store (one put, N gets, each worker copying the tensors into its own buffers, as a swap into the
+engine does) divided by the time of the plain memory copies of the same bytes (N copies in one
+process); (2) delta bytes / full bytes after one RL step, in bf16 and in f32.
+
+"One RL step" here: the tiny MoE of the tests scaled up a little, a policy-gradient loss
+(-advantage x log p of sampled tokens, advantages +-1) on random token rows, one AdamW step from
+fresh Adam state at a typical RL learning rate, applied to float32 master weights; the bf16 policy is
+the cast of the master weights before and after (what the rollout workers hold). Tokens absent from
+the batch keep their embedding rows bit-identical; in bf16 an update smaller than half an ulp leaves
+the weight unchanged, which is why bf16 deltas are small and f32 deltas are not.
+
+  python experiments/rl_broadcast.py [--mb 64] [--workers 2] [--reps 5] [--lrs 1e-6,1e-5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.common import write_result
+
+
+def _payload(mb: int) -> list[np.ndarray]:
+  import ml_dtypes
+  rng = np.random.default_rng(0)
+  n = mb * 2**20 // 2 // 16
+  return [rng.standard_normal(n).astype(ml_dtypes.bfloat16) for _ in range(16)]
+
+
+def broadcast_ratio(mb: int, n_workers: int, reps: int) -> dict:
+  import ray
+
+  from composer_jax.rl import weights as W
+
+  @ray.remote(num_cpus=0)
+  class Sink:
+    def __init__(self):
+      self.bufs = None
+
+    def take(self, chain):
+      t0 = time.perf_counter()
+      upd = ray.get(chain[-1][2])
+      t1 = time.perf_counter()
+      if self.bufs is None or [b.shape for b in self.bufs] != [a.shape for a in upd.data]:
+        self.bufs = [np.empty_like(a) for a in upd.data]
+      for b, a in zip(self.bufs, upd.data):
+        np.copyto(b, a)
+      return t1 - t0, time.perf_counter() - t1
+
+  ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, num_cpus=2)
+  try:
+    sinks = [Sink.remote() for _ in range(n_workers)]
+    ray.get([s.take.remote([(0, "full", ray.put(W.encode_full(0, ["x"], [np.zeros(4, np.float32)])))])
+             for s in sinks])
+    arrays = _payload(mb)
+    nbytes = sum(a.nbytes for a in arrays)
+    names = [f"t{i}" for i in range(len(arrays))]
+    upd = W.encode_full(0, names, arrays)  # raw bits (uint16 views), CRC32s; encode timed below
+    bc, cp, puts, gets, copies = [], [], [], [], []
+    dst = [[np.empty_like(a) for a in arrays] for _ in range(n_workers)]
+    for v in range(reps + 1):
+      upd.version = v + 1
+      t0 = time.perf_counter()
+      ref = ray.put(upd)
+      tp = time.perf_counter()
+      got = ray.get([s.take.remote([(v + 1, "full", ref)]) for s in sinks])
+      t1 = time.perf_counter()
+      for d in dst:
+        for b, a in zip(d, arrays):
+          np.copyto(b, a)
+      t2 = time.perf_counter()
+      del ref
+      if v:  # the first round warms the store up
+        bc.append(t1 - t0)
+        cp.append(t2 - t1)
+        puts.append(tp - t0)
+        gets.append(max(g for g, _ in got))
+        copies.append(max(c for _, c in got))
+    # The full path with checksums (encode on the learner, decode + verify on a worker).
+    t0 = time.perf_counter()
+    full = W.encode_full(1, names, arrays)
+    t1 = time.perf_counter()
+    W.decode(full, None)
+    t2 = time.perf_counter()
+  finally:
+    ray.shutdown()
+  b, c = float(np.median(bc)), float(np.median(cp))
+  med = lambda x: float(np.median(x))
+  return {"bytes": nbytes, "workers": n_workers, "broadcast_s": b, "memcpy_n_copies_s": c,
+          "ratio": b / c, "ratio_best": min(bc) / min(cp), "goal": "<= 1.5",
+          "put_s": med(puts), "worker_get_s": med(gets), "worker_copy_s": med(copies),
+          "memcpy_one_copy_s": c / n_workers, "encode_full_with_crc_s": t1 - t0,
+          "decode_full_with_crc_s": t2 - t1,
+          "note": "broadcast = ray.put + every worker's ray.get and copy into its own buffers; "
+                  "denominator = the same N copies by np.copyto in one process"}
+
+
+def delta_ratio(lrs: list[float]) -> list[dict]:
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+
+  from composer_jax.config import load_config
+  from composer_jax.model.build import build_model
+  from composer_jax.rl import weights as W
+  from composer_jax.rl.losses import token_logprobs
+  cfg = load_config(None, [
+      "model.vocab_size=4096", "model.d_model=128", "model.n_layers=4", "model.n_dense_layers=1",
+      "model.dense_ffn_dim=256", "model.n_heads=4", "model.q_lora_rank=0", "model.kv_lora_rank=32",
+      "model.qk_nope_dim=16", "model.qk_rope_dim=16", "model.v_head_dim=16", "model.n_routed_experts=8",
+      "model.moe_ffn_dim=64", "model.n_group=2", "model.topk_group=2", "model.mtp_depths=0",
+      "model.max_seq_len=256", "model.param_dtype=float32"])
+  model = build_model(cfg)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  rng = np.random.default_rng(0)
+  b, s = 8, 128
+  tokens = jnp.asarray(rng.integers(0, 1024, (b, s)), jnp.int32)  # a quarter of the vocabulary
+  seg = jnp.ones((b, s), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+  adv = jnp.asarray(rng.choice([-1.0, 1.0], b), jnp.float32)
+
+  def loss(p):
+    out = nnx.merge(graphdef, p, rest)(tokens, seg, pos, mtp=False)
+    return -(token_logprobs(out.logits, tokens, 1.0).mean(-1) * adv).mean()
+
+  grads = jax.jit(jax.grad(loss))(params)
+  out = []
+  for lr in lrs:
+    opt = optax.adamw(lr, weight_decay=0.1)
+    upd, _ = opt.update(grads, opt.init(params), params)
+    new = optax.apply_updates(params, upd)
+    for dtype in (jnp.bfloat16, jnp.float32):
+      names, old_a = W.flatten(jax.tree.map(lambda x, d=dtype: x.astype(d), params))
+      _, new_a = W.flatten(jax.tree.map(lambda x, d=dtype: x.astype(d), new))
+      t0 = time.perf_counter()
+      d = W.encode_delta(1, 0, names, old_a, new_a)
+      t1 = time.perf_counter()
+      assert all(np.array_equal(W._bits(x), W._bits(y)) for x, y in zip(W.decode(d, old_a), new_a))
+      full = sum(a.nbytes for a in new_a)
+      changed = sum(int((W._bits(x) != W._bits(y)).sum()) for x, y in zip(old_a, new_a))
+      total = sum(a.size for a in new_a)
+      out.append({"lr": lr, "dtype": jnp.dtype(dtype).name, "full_bytes": full, "delta_bytes": d.nbytes,
+                  "ratio": d.nbytes / full, "changed_elements_frac": changed / total,
+                  "encode_s": t1 - t0, "encode_mb_per_s": full / 2**20 / (t1 - t0)})
+  return out
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--mb", type=int, default=64)
+  ap.add_argument("--workers", type=int, default=2)
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--lrs", default="1e-6,1e-5")
+  ap.add_argument("--note", default="")
+  a = ap.parse_args(argv)
+  bc = broadcast_ratio(a.mb, a.workers, a.reps)
+  print(f"broadcast {bc['bytes'] / 2**20:.0f} MiB to {a.workers} workers: {bc['broadcast_s'] * 1e3:.1f} ms "
+        f"vs {a.workers} memcpy {bc['memcpy_n_copies_s'] * 1e3:.1f} ms -> {bc['ratio']:.2f}x")
+  deltas = delta_ratio([float(x) for x in a.lrs.split(",")])
+  for d in deltas:
+    print(f"lr {d['lr']:g} {d['dtype']}: delta/full {d['ratio']:.4f} "
+          f"(changed elements {d['changed_elements_frac']:.4f})")
+  write_result("rl_broadcast", {"broadcast": bc, "delta": deltas, "note": a.note})
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
