@@ -166,6 +166,40 @@ def activate(mesh: Mesh | None, rules: dict | None = None, **options):
     _OPTIONS.reset(opt_token)
 
 
+def context_key() -> tuple:
+  """A hashable key of the active (mesh, rules, options): everything the model reads while tracing
+  that jax.jit's own cache key does not see."""
+  got = _ACTIVE.get()
+  if got is None:
+    return (None, None, tuple(sorted((_OPTIONS.get() or {}).items())))
+  mesh, rules = got
+  return (mesh, tuple(sorted((k, tuple(v)) for k, v in rules.items())),
+          tuple(sorted((_OPTIONS.get() or {}).items())))
+
+
+def context_jit(fn, **jit_kwargs):
+  """``jax.jit(fn, **jit_kwargs)`` with one trace cache per active (mesh, rules, options).
+
+  The rules and options are context variables, outside jax.jit's cache key: a function traced under
+  one rule table (say a learner's) would otherwise be replayed under another (a sampler's) with the
+  first one's sharding constraints and EP strategy. Use this for any jitted function that runs the
+  model and may be called under different ``activate`` blocks.
+  """
+  import functools
+  cache: dict = {}
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    key = context_key()
+    jitted = cache.get(key)
+    if jitted is None:  # a fresh function object: jax.jit's trace cache is keyed on it
+      jitted = cache[key] = jax.jit(functools.wraps(fn)(lambda *a, **k: fn(*a, **k)), **jit_kwargs)
+    return jitted(*args, **kwargs)
+
+  call.cache = cache
+  return call
+
+
 def active_option(name: str, default=None):
   """An option given to the active ``activate`` block, else ``default``."""
   return (_OPTIONS.get() or {}).get(name, default)

@@ -28,7 +28,9 @@ def init_kind(path: str) -> str:
   """'hf', 'converted' or 'run' (the last also for paths that do not exist: callers check)."""
   if os.path.exists(os.path.join(path, "config.json")) and glob.glob(os.path.join(path, "*.safetensors")):
     return "hf"
+  # A training step folder also holds params/, but no config.yaml; a run folder holds checkpoints/.
   if (os.path.isdir(os.path.join(path, CONVERTED_PARAMS))
+      and os.path.exists(os.path.join(path, CONVERTED_CONFIG))
       and not os.path.isdir(os.path.join(path, "checkpoints"))):
     return "converted"
   return "run"
@@ -41,11 +43,7 @@ def model_section(path: str, kind: str) -> dict | None:
     return dataclasses.asdict(config_from_hf(read_hf_config(path)))
   if kind == "converted":
     from composer_jax.config import load_config
-    file = os.path.join(path, CONVERTED_CONFIG)
-    if not os.path.exists(file):
-      raise ConfigError(f"--init {path!r} has {CONVERTED_PARAMS}/ but no {CONVERTED_CONFIG}: pass a "
-                        "folder written by `composer-jax convert --from-hf`")
-    return dataclasses.asdict(load_config(file).model)
+    return dataclasses.asdict(load_config(os.path.join(path, CONVERTED_CONFIG)).model)
   return None
 
 

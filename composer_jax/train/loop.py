@@ -170,7 +170,7 @@ def build_trainer(cfg: Config, mesh=None, loss_fn: Callable | None = None,
   """
   from composer_jax.model import abstract_model
   from composer_jax.parallel.mesh import build_mesh
-  from composer_jax.parallel.rules import make_rules, state_shardings
+  from composer_jax.parallel.rules import context_jit, make_rules, state_shardings
   mesh = mesh if mesh is not None else build_mesh(cfg.mesh)
   rules = make_rules(cfg.mesh.rules)
   graphdef, params, rest = split_model(abstract_model(cfg))
@@ -191,10 +191,11 @@ def build_trainer(cfg: Config, mesh=None, loss_fn: Callable | None = None,
   batch_in = {k: batch_sharding for k in batch_keys} if batch_keys else batch_sharding
   # The mesh context (for the model's activation constraints) must wrap the jitted call: it is read
   # while tracing, and jax.set_mesh may not be entered inside jit.
-  jit_step = jax.jit(make_train_step(graphdef, cfg, tx, lr_fn, loss_fn),
-                     in_shardings=(shardings, batch_in),
-                     out_shardings=(shardings, None), donate_argnums=(0,))
-  jit_eval = jax.jit(make_eval_step(graphdef), in_shardings=(p_sh, r_sh, batch_sharding, repl))
+  # context_jit: one trace per active (mesh, rules, EP strategy), which jax.jit's key does not see.
+  jit_step = context_jit(make_train_step(graphdef, cfg, tx, lr_fn, loss_fn),
+                         in_shardings=(shardings, batch_in),
+                         out_shardings=(shardings, None), donate_argnums=(0,))
+  jit_eval = context_jit(make_eval_step(graphdef), in_shardings=(p_sh, r_sh, batch_sharding, repl))
 
   def step_fn(state, batch):
     with _activate(mesh, rules, cfg):

@@ -42,7 +42,7 @@ def _sft(base, init, out):
                "data.max_files=5", "data.heldout_fraction=0.0", "mesh.data=1", "train.steps=1",
                "train.progress=false", "checkpoint.every=0", "checkpoint.async_save=false",
                "optim.lr=1e-30", "optim.warmup_steps=0", "optim.qk_clip=0",
-               "model.bias_update_rate=0.0"])
+               "model.bias_update_rate=0.0", "rl.max_context=0"])
 
 
 def test_hf_to_sft_to_hf_round_trip(hf_dir, capsys):

@@ -25,13 +25,15 @@ SMALL = ["model.vocab_size=64", "model.d_model=16", "model.n_layers=2", "model.n
          "model.q_lora_rank=0", "model.kv_lora_rank=8", "model.qk_nope_dim=4", "model.qk_rope_dim=4",
          "model.v_head_dim=4", "model.n_routed_experts=4", "model.n_group=1", "model.topk_group=1",
          "model.moe_ffn_dim=8", "model.dense_ffn_dim=16", "model.max_seq_len=16", "model.mtp_depths=1",
-         "model.bias_update_rate=0.01", "data.seq_len=16", "data.batch_size=4"]
+         "model.bias_update_rate=0.01", "data.seq_len=16", "data.batch_size=4",
+         "rl.max_context=0"]  # 0 = the (shrunk) model length, whatever the YAML's rl section says
 
 
 @pytest.fixture(scope="module")
 def setup():
   from composer_jax.model import build_model
-  cfg = load_config("configs/tiny.yaml", SMALL)
+  # No warmup: the first step's learning rate is the peak (warmup starts at 0 and moves nothing).
+  cfg = load_config("configs/tiny.yaml", SMALL + ["optim.warmup_steps=0", "optim.qk_clip=0"])
   graphdef, params, rest = split_model(build_model(cfg, seed=0))
   rng = np.random.default_rng(0)
   seg = np.repeat(np.array([[1] * 10 + [2] * 6]), 4, 0).astype(np.int32)
@@ -75,7 +77,22 @@ def test_grad_accumulation_equals_one_batch_and_bias_update(setup):
   for i in range(len(new)):
     want = old[i] + 0.01 * np.sign(loads[i].mean() - loads[i])
     np.testing.assert_allclose(new[i], want, atol=1e-7)
-  # The trained parameters changed; the RNG advanced.
+  # The parameters took AdamW's first step, computed here in float64 from jax.grad of the loss:
+  # clip to global norm 1, then p - lr * (g / (|g| + eps) + wd * p) (decay on matrices only).
+  from composer_jax.train.step import lm_loss_fn
+  oc = cfg.optim
+  g = jax.grad(lambda p: lm_loss_fn(nnx.merge(graphdef, p, rest), batch, cfg)[0])(params)
+  g = [np.asarray(x, np.float64) for x in jax.tree.leaves(g)]
+  norm = math.sqrt(sum((x ** 2).sum() for x in g))
+  scale = min(1.0, oc.clip_norm / norm)
+  moved = 0
+  for p0, gi, p1 in zip(jax.tree.leaves(params), g, jax.tree.leaves(s1["params"])):
+    p0 = np.asarray(p0, np.float64)
+    gc = gi * scale
+    upd = gc / (np.abs(gc) + oc.eps) + (oc.weight_decay * p0 if p0.ndim >= 2 else 0.0)
+    np.testing.assert_allclose(np.asarray(p1, np.float64), p0 - oc.lr * upd, rtol=0, atol=2e-6)
+    moved += int((np.abs(np.asarray(p1, np.float64) - p0) > 0.5 * oc.lr).sum())
+  assert moved > 0.5 * sum(x.size for x in g)  # most weights moved by about lr
   assert not np.array_equal(np.asarray(s1["rng"]), np.asarray(jax.random.key_data(jax.random.key(0))))
 
 
