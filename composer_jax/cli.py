@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "composer_jax.env.cli",  # sandbox exec, tasks generate / setup / grade
     "composer_jax.eval.cli",  # eval
     "composer_jax.rl.cli",  # rl
+    "composer_jax.recipe",  # run: the whole recipe
 ]
 
 

@@ -221,9 +221,6 @@ class RLConfig:
   # Cap on (length + shaping) penalty per episode; < 1 keeps every resolved episode (grade 1) above
   # every unresolved one (grade 0), so effort is only traded off among equal outcomes.
   penalty_cap: float = 0.5
-  # Cap on (length + shaping) penalty per episode; < 1 keeps every resolved episode (grade 1) above
-  # every unresolved one (grade 0), so effort is only traded off among equal outcomes.
-  penalty_cap: float = 0.5
   # Targeted textual feedback (Composer 2.5).
   feedback_kl_coef: float = 0.0  # 0 = off
   feedback_topk: int = 0  # teacher distribution: 0 = full vocabulary, else top-k plus a tail bucket
@@ -256,6 +253,22 @@ class EvalConfig:
 
 
 @dataclass
+class RunConfig:
+  """The main job (`composer-jax run`): task sets and each stage's overrides of this config."""
+  train_tasks: int = 200
+  heldout_tasks: int = 40  # unseen instances of the training templates (the RL target)
+  unseen_tasks: int = 20  # templates that no stage trains on (reported in their own row)
+  task_seed: int = 1
+  train_templates: str = "implement,fix_bug,method,two_file"
+  unseen_templates: str = "rename,fix_method"
+  eval_samples: int = 4  # samples per held-out task (pass@1 and pass@k)
+  pretrain_overrides: list = field(default_factory=list)
+  sft_overrides: list = field(default_factory=list)
+  rl_overrides: list = field(default_factory=list)
+  eval_overrides: list = field(default_factory=list)
+
+
+@dataclass
 class Config:
   model: ModelConfig = field(default_factory=ModelConfig)
   mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -266,6 +279,7 @@ class Config:
   rl: RLConfig = field(default_factory=RLConfig)
   env: EnvConfig = field(default_factory=EnvConfig)
   eval: EvalConfig = field(default_factory=EvalConfig)
+  run: RunConfig = field(default_factory=RunConfig)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -593,21 +607,6 @@ def validate(cfg: Config) -> None:
   _require(r.feedback_topk >= 0, f"rl.feedback_topk={r.feedback_topk} must be >= 0 (0 = full vocabulary)")
   _require(r.feedback_topk < cfg.model.vocab_size, f"rl.feedback_topk={r.feedback_topk} must be < "
            f"model.vocab_size={cfg.model.vocab_size} (use 0 for the full vocabulary)")
-  r = cfg.rl
-  _require(0 <= r.ppo_clip_low < 1, f"rl.ppo_clip_low={r.ppo_clip_low} must be in [0, 1)")
-  _require(r.ppo_clip_high >= 0, f"rl.ppo_clip_high={r.ppo_clip_high} must be >= 0")
-  _require(r.is_clip > 1, f"rl.is_clip={r.is_clip} must be > 1 (the weight cap; 2 is the usual choice)")
-  for name in ("kl_coef", "length_penalty", "length_k", "length_q", "feedback_kl_coef", "max_hints",
-               "penalty_malformed_call", "penalty_unknown_tool", "penalty_repeated_command",
-               "penalty_no_call_turn", "length_w_reasoning", "length_w_tool_call",
-               "length_w_tool_output", "length_w_final", "length_w_calls", "length_w_turns"):
-    _require(getattr(r, name) >= 0, f"rl.{name}={getattr(r, name)} must be >= 0")
-  _require(r.length_ref > 0, f"rl.length_ref={r.length_ref} must be > 0 (the x where the penalty = coef)")
-  _require(0 <= r.penalty_cap < 1, f"rl.penalty_cap={r.penalty_cap} must be in [0, 1) so a resolved "
-           "episode always outscores an unresolved one")
-  _require(r.feedback_topk >= 0, f"rl.feedback_topk={r.feedback_topk} must be >= 0 (0 = full vocabulary)")
-  _require(r.feedback_topk < cfg.model.vocab_size, f"rl.feedback_topk={r.feedback_topk} must be < "
-           f"model.vocab_size={cfg.model.vocab_size} (use 0 for the full vocabulary)")
   for name in ("steps", "max_summaries", "top_k", "summary_trigger_tokens"):
     _require(getattr(r, name) >= 0, f"rl.{name}={getattr(r, name)} must be >= 0")
   _require(r.max_staleness >= 0, f"rl.max_staleness={r.max_staleness} must be >= 0 (0 = on-policy)")
@@ -626,6 +625,12 @@ def validate(cfg: Config) -> None:
     _require(getattr(e, name) > 0, f"env.{name}={getattr(e, name)} must be positive")
   _require(0 < e.max_fail_fraction <= 1, f"env.max_fail_fraction={e.max_fail_fraction} must be in (0, 1]")
   _require(cfg.eval.samples >= 1, f"eval.samples={cfg.eval.samples} must be >= 1")
+  u = cfg.run
+  for name in ("train_tasks", "heldout_tasks", "unseen_tasks", "eval_samples"):
+    _require(getattr(u, name) >= 1, f"run.{name}={getattr(u, name)} must be >= 1")
+  for name in ("pretrain_overrides", "sft_overrides", "rl_overrides", "eval_overrides"):
+    _require(all(isinstance(o, str) and "=" in o for o in getattr(u, name)),
+             f"run.{name} must be a list of 'section.key=value' strings")
   _require(cfg.eval.workers >= 1, f"eval.workers={cfg.eval.workers} must be >= 1")
   _require(all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in cfg.eval.k),
            f"eval.k={cfg.eval.k} must be a list of positive integers, e.g. [1, 5]")

@@ -1,0 +1,222 @@
+"""``composer-jax run CONFIG --out DIR``: the whole recipe in one command.
+
+  1. tokenizer + continued pretraining on the code corpus        DIR/pretrain
+  2. synthetic coding tasks: train, held-out instances of the     DIR/tasks/{train,heldout,unseen}
+     training templates, and templates no stage trains on
+  3. scripted-expert trajectories through the real tools          DIR/sft/trajectories.jsonl
+  4. SFT on them                                                  DIR/sft
+  5. evaluation of the SFT policy on the held-out sets            DIR/eval/sft-{heldout,unseen}
+  6. RL on the training tasks (rl.async_ picks the Ray loop)      DIR/rl
+  7. evaluation of the RL policy                                  DIR/eval/rl-{heldout,unseen}
+
+Each stage runs with the config plus its ``run.<stage>_overrides`` and leaves ``DONE.json``; with
+``--resume`` finished stages are skipped and an interrupted training stage resumes from its newest
+checkpoint. The closing table (pass@1 with a 95 % bootstrap interval over tasks, pass@k, mean
+completion tokens, wall time per stage) is printed and written to DIR/summary.json, with the plots
+of every stage and a score-vs-tokens plot comparing the SFT and RL policies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from composer_jax.config import Config, ConfigError, apply_overrides, from_dict
+
+STAGES = ("pretrain", "tasks", "expert", "sft", "eval_sft", "rl", "eval_rl")
+
+
+def stage_config(cfg: Config, overrides: list[str]) -> Config:
+  return from_dict(apply_overrides(cfg.to_dict(), list(overrides)))
+
+
+def bootstrap_ci(per_task: list[float], n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
+  """95 % percentile interval of the mean over tasks, resampling tasks with replacement."""
+  x = np.asarray(per_task, np.float64)
+  if x.size == 0:
+    return (float("nan"), float("nan"))
+  rng = np.random.default_rng(seed)
+  means = x[rng.integers(0, x.size, (n_boot, x.size))].mean(1)
+  return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+class Recipe:
+  def __init__(self, cfg: Config, out: str, resume: bool = False, log=print):
+    self.cfg, self.out, self.resume, self.log = cfg, os.path.abspath(out), resume, log
+    self.times: dict[str, float] = {}
+    if os.path.isdir(self.out) and os.listdir(self.out) and not resume:
+      raise ConfigError(f"--out {out} is not empty: pass --resume to continue it, or choose a new --out")
+    os.makedirs(self.out, exist_ok=True)
+
+  def path(self, *parts) -> str:
+    return os.path.join(self.out, *parts)
+
+  def _done(self, stage: str) -> dict | None:
+    p = self.path(".stages", f"{stage}.json")
+    return json.load(open(p)) if os.path.exists(p) else None
+
+  def _mark(self, stage: str, info: dict) -> None:
+    os.makedirs(self.path(".stages"), exist_ok=True)
+    with open(self.path(".stages", f"{stage}.json"), "w") as f:
+      json.dump(info, f, indent=1)
+
+  def stage(self, name: str, fn) -> dict:
+    done = self._done(name)
+    if done is not None:
+      self.log(f"== {name}: done earlier, skipped")
+      self.times[name] = done.get("wall_s", 0.0)
+      return done
+    self.log(f"== {name}")
+    t0 = time.perf_counter()
+    info = fn() or {}
+    info["wall_s"] = round(time.perf_counter() - t0, 1)
+    self.times[name] = info["wall_s"]
+    self._mark(name, info)
+    return info
+
+  # -- stages ---------------------------------------------------------------------------------------
+
+  def _train(self, stage: str, overrides: list[str], init: str | None) -> dict:
+    from composer_jax.train.loop import run
+    cfg = stage_config(self.cfg, overrides)
+    d = self.path(stage)
+    resume = os.path.isdir(os.path.join(d, "checkpoints")) and bool(os.listdir(os.path.join(d, "checkpoints")))
+    last = run(cfg, d, stage=stage, resume=resume, init=None if resume else init)
+    return {"final": {k: v for k, v in last.items() if isinstance(v, (int, float))}}
+
+  def _tasks(self) -> dict:
+    from composer_jax.env import synthetic
+    r, t = self.cfg.run, self.path("tasks")
+    train = synthetic.generate(r.train_tasks, r.task_seed, os.path.join(t, "train"), split="train")
+    held = synthetic.generate(r.heldout_tasks, r.task_seed + 1, os.path.join(t, "heldout"),
+                              split="heldout", templates=r.train_templates)
+    unseen = synthetic.generate(r.unseen_tasks, r.task_seed + 2, os.path.join(t, "unseen"),
+                                split="heldout", templates=r.unseen_templates)
+    return {k: v["n"] for k, v in (("train", train), ("heldout", held), ("unseen", unseen))}
+
+  def _expert(self) -> dict:
+    from composer_jax.data.tokenizer import load_tokenizer
+    from composer_jax.env.expert import expert_trajectories
+    from composer_jax.env.tasks import load_tasks
+    tok = load_tokenizer(self.path("pretrain", "tokenizer.json"))
+    rep = expert_trajectories(load_tasks(self.path("tasks", "train")), self.path("sft", "trajectories.jsonl"),
+                              tokenizer=tok, tool_docs=self.cfg.env.tool_docs, mode=self.cfg.env.sandbox,
+                              log=self.log)
+    if not rep["kept"]:
+      raise RuntimeError("the scripted expert solved no training task: check the sandbox (bubblewrap)")
+    return {"kept": rep["kept"], "tasks": rep["tasks"], **rep["summary"]}
+
+  def _eval(self, policy_run: str, tag: str) -> dict:
+    from composer_jax.env.tasks import load_tasks
+    from composer_jax.rl.loop import eval_run_dir
+    r = self.cfg.run
+    out = {}
+    for split in ("heldout", "unseen"):
+      tasks = load_tasks(self.path("tasks", split))
+      s = eval_run_dir(self.path(policy_run), tasks, r.eval_samples,
+                       self.path("eval", f"{tag}-{split}"), list(r.eval_overrides), log=self.log)
+      per_task = [v["c"] / v["n"] for v in s["per_task"].values()]
+      lo, hi = bootstrap_ci(per_task)
+      out[split] = {"pass@1": s["pass@1"], "ci95": [lo, hi], "tasks": s["tasks"],
+                    "samples": s["samples_per_task"],
+                    f"pass@{s['samples_per_task']}": s.get(f"pass@{s['samples_per_task']}"),
+                    "mean_completion_tokens": s["mean_completion_tokens"],
+                    "mean_reward": s["mean_reward"]}
+    return out
+
+  def _rl(self) -> dict:
+    from composer_jax.rl.loop import run_rl
+    r = self.cfg.run
+    cfg = stage_config(self.cfg, [f"rl.tasks={self.path('tasks', 'train')}"] + list(r.rl_overrides))
+    d = self.path("rl")
+    resume = os.path.isdir(os.path.join(d, "checkpoints")) and bool(os.listdir(os.path.join(d, "checkpoints")))
+    last = run_rl(cfg, d, init=None if resume else self.path("sft"), resume=resume, log=self.log)
+    return {"final": {k: v for k, v in last.items() if isinstance(v, (int, float))}}
+
+  # -- the job --------------------------------------------------------------------------------------
+
+  def run(self) -> dict:
+    r = self.cfg.run
+    from composer_jax.config import dump_config
+    dump_config(self.cfg, self.path("config.yaml"))
+    self.stage("pretrain", lambda: self._train("pretrain", r.pretrain_overrides, None))
+    self.stage("tasks", self._tasks)
+    self.stage("expert", self._expert)
+    self.stage("sft", lambda: self._train(
+        "sft", [f"data.sft_path={self.path('sft', 'trajectories.jsonl')}"] + list(r.sft_overrides),
+        self.path("pretrain")))
+    ev_sft = self.stage("eval_sft", lambda: self._eval("sft", "sft"))
+    self.stage("rl", self._rl)
+    ev_rl = self.stage("eval_rl", lambda: self._eval("rl", "rl"))
+    summary = {"sft": ev_sft["heldout"], "rl": ev_rl["heldout"],
+               "unseen_templates": {"sft": ev_sft["unseen"], "rl": ev_rl["unseen"]},
+               "wall_s": dict(self.times), "total_wall_s": round(sum(self.times.values()), 1)}
+    summary["rl_minus_sft_pass@1"] = summary["rl"]["pass@1"] - summary["sft"]["pass@1"]
+    with open(self.path("summary.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+    self._plot(summary)
+    self.log(table(summary))
+    return summary
+
+  def _plot(self, summary: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for split, marker in (("heldout", "o"), ("unseen", "s")):
+      pts = [(self._done(f"eval_{s}")[split], s) for s in ("sft", "rl")]
+      ax.plot([p["mean_completion_tokens"] for p, _ in pts], [p["pass@1"] for p, _ in pts],
+              marker=marker, label=split)
+      for p, s in pts:
+        ax.annotate(s, (p["mean_completion_tokens"], p["pass@1"]))
+    ax.set_xlabel("mean completion tokens")
+    ax.set_ylabel("pass@1")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(self.path("score_vs_tokens.png"), dpi=90)
+    plt.close(fig)
+
+
+def table(summary: dict) -> str:
+  rows = [("SFT", "held-out", summary["sft"]), ("RL", "held-out", summary["rl"]),
+          ("SFT", "unseen templates", summary["unseen_templates"]["sft"]),
+          ("RL", "unseen templates", summary["unseen_templates"]["rl"])]
+  lines = [f"{'policy':<6} {'tasks':<17} {'n':>4} {'pass@1':>7} {'95% CI':>15} {'pass@k':>10} "
+           f"{'tokens':>7}"]
+  for pol, split, s in rows:
+    k = s["samples"]
+    lines.append(f"{pol:<6} {split:<17} {s['tasks']:>4} {s['pass@1']:>7.3f} "
+                 f"[{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}]{'':>2} {s.get(f'pass@{k}') or 0:>6.3f} (k={k}) "
+                 f"{s['mean_completion_tokens']:>7.1f}")
+  lines.append(f"RL - SFT held-out pass@1: {summary['rl_minus_sft_pass@1']:+.3f}")
+  lines.append("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in summary["wall_s"].items())
+               + f" (total {summary['total_wall_s']:.0f}s)")
+  return "\n".join(lines)
+
+
+def register(sub) -> None:
+  p = sub.add_parser("run", help="the whole recipe: pretrain, tasks, expert SFT, RL, evaluation")
+  p.add_argument("config", help="YAML config, e.g. configs/tiny.yaml")
+  p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+  p.add_argument("--out", required=True, help="run directory (one folder per stage, summary.json)")
+  p.add_argument("--resume", action="store_true", help="skip finished stages, resume the current one")
+  p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+  from composer_jax.config import load_config
+  cfg = load_config(args.config, args.overrides)
+  for name in ("sft_overrides", "rl_overrides", "pretrain_overrides", "eval_overrides"):
+    stage_config(cfg, getattr(cfg.run, name))  # a bad stage override fails now, in one line
+  from composer_jax.env.sandbox import SandboxError, require_isolation
+  try:
+    require_isolation(cfg.env.sandbox, "the main job (model-driven evaluation and RL)")
+  except SandboxError as e:
+    raise ConfigError(str(e)) from None
+  Recipe(cfg, args.out, args.resume).run()
+  return 0
