@@ -9,20 +9,24 @@ other segment does). Implementations, chosen by ``model.attention_impl``:
 * ``blockwise`` — flash-style in pure JAX with a custom VJP (CPU default): loops over (query block,
                   key block) pairs with an online softmax, holds one block of scores at a time, never
                   visits a block above the diagonal, skips blocks the segment ids leave empty, and
-                  recomputes the scores per block backward. Memory O(s) per head.
-* ``splash``    — TPU: splash attention (block-sparse causal mask + segment ids, Pallas/Mosaic).
-                  Any dk, dv; s a multiple of 128.
+                  recomputes the scores per block backward. Memory O(s) per head; any dk, dv, s.
+                  A sequence of at most one block (``model.attention_block``) is the dense product.
+* ``splash``    — TPU: splash attention (block-sparse causal mask + segment ids, Pallas/Mosaic),
+                  per-batch-row via vmap. Any dk, dv (192 / 128 lower); s a multiple of 128; tiles
+                  of up to max(attention_block, 512) rows dividing s.
 * ``pallas_gpu``— GPU: JAX's Pallas Triton flash attention (causal + segment ids). It needs dk == dv:
-                  v is zero-padded to dk (and both to the next power of two inside the kernel), so
-                  MLA pays 2x on the P.V product; s a multiple of 128 (or s < 128).
+                  v is zero-padded to dk (and both to the next power of two inside the kernel: 256
+                  for MLA's 192), so MLA pays ~2x on the P.V product; s < 128 or a multiple of 128.
 * ``cudnn``     — GPU: ``jax.nn.dot_product_attention(implementation="cudnn")``; needs dk == dv (v
-                  padded) and has no segment input, so only unpacked batches (segment_ids None).
-                  (cuDNN >= 9.10 has native MLA dims and packed THD offsets on Hopper, but only
-                  through private JAX entry points.)
+                  padded), dk a multiple of 8 and <= 256 (Hopper; <= 128 before), and has no
+                  segment input, so only unpacked batches (segment_ids None). cuDNN >= 9.10 has
+                  native MLA dims and packed THD offsets on Hopper, but only through private JAX
+                  entry points (jax._src.cudnn), so this module does not use them.
 
 ``auto`` picks splash on TPU, pallas_gpu on GPU and blockwise elsewhere, and falls back to blockwise
-where the kernel's shape rules do not hold. The per-head maximum logit (QK-clip) comes free out of
-the blockwise forward; the kernels get it from a separate blockwise max pass (no P.V, no gradient).
+where the kernel's shape rules do not hold. Kernels run per (batch, head) shard of the active mesh.
+The per-head maximum logit (QK-clip) comes free out of the blockwise forward; the kernels get it
+from a separate blockwise max pass (no P.V, no gradient).
 """
 
 from __future__ import annotations
