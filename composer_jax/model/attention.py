@@ -259,12 +259,14 @@ def max_logit(q, k, seg, scale, block=512):
   qb = _to_blocks(jax.lax.stop_gradient(q) * jnp.asarray(scale, q.dtype), nb, bs)
   kb = _to_blocks(jax.lax.stop_gradient(k), nb, bs)
   sb = _seg_blocks(seg, b, s, nb, bs)
+  keys, n_keys, _, _ = _visit_plan(sb)
 
   def q_block(i):
-    def step(j, m):
+    def step(t, m):
+      j = keys[i, t]
       sc = jnp.einsum("bhqd,bhkd->bhqk", qb[i], kb[j], preferred_element_type=jnp.float32)
       return jnp.maximum(m, jnp.where(_block_mask(sb, i, j, bs), sc, NEG_INF).max(axis=(0, 2, 3)))
-    return jax.lax.fori_loop(0, i + 1, step, jnp.full((h,), NEG_INF, jnp.float32))
+    return jax.lax.fori_loop(0, n_keys[i], step, jnp.full((h,), NEG_INF, jnp.float32))
 
   return jax.lax.map(q_block, jnp.arange(nb)).max(0)
 
