@@ -358,7 +358,6 @@ def run(cfg: Config, out_dir: str, *, stage: str = "pretrain", resume: bool = Fa
     init_dir = os.path.dirname(init_ckpt_dir)
   elif kind:
     init_dir = init
-  dump_config(cfg, os.path.join(out_dir, "config.yaml"))
   data = build_data(cfg, out_dir, stage, init_dir)
   tr = build_trainer(cfg, materialize=False)
   byte_lengths = jax.device_put(data.tokenizer.byte_lengths(), NamedSharding(tr.mesh, P()))
@@ -386,6 +385,8 @@ def run(cfg: Config, out_dir: str, *, stage: str = "pretrain", resume: bool = Fa
     if resume:
       _log(f"--resume: no checkpoint in {ck.directory} yet; starting from step 0")
     init_state(tr)
+  # Only now: a resume that stopped on an incompatible checkpoint leaves the old config in place.
+  dump_config(cfg, os.path.join(out_dir, "config.yaml"))
   log = MetricsLog(out_dir, start)
   total = cfg.train.steps
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len

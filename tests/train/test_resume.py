@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ SMALL = [
     "model.moe_ffn_dim=16", "model.dense_ffn_dim=32", "model.max_seq_len=64", "data.seq_len=32",
     "data.batch_size=4", "data.max_files=60", "data.heldout_fraction=0.1", "data.tokenizer_train_mb=0.3", "train.steps=6",
     "train.eval_every=3", "train.eval_batches=1", "train.progress=false", "checkpoint.every=2",
+    "rl.max_context=0",  # 0 = the model's (shrunk) length, whatever the YAML's rl section says
 ]
 
 
@@ -102,6 +104,21 @@ def test_refuses_to_overwrite_checkpoints_without_resume(runs):
   res = subprocess.run(_cmd("pretrain", a), env=_env(), capture_output=True, text=True, check=False, timeout=60)
   assert res.returncode == 2
   assert res.stderr.strip().count("\n") == 0 and "--resume" in res.stderr
+
+
+def test_resume_with_an_incompatible_config_stops_with_one_line(runs):
+  """A config change that alters shapes is not 'no checkpoint yet': one line naming the array and
+  the differing field, exit 2, and the run directory (config, checkpoints) left as it was."""
+  a = runs[0]
+  before = (a / "config.yaml").read_text(), sorted(os.listdir(a / "checkpoints"))
+  res = subprocess.run(_cmd("pretrain", a, "--resume", "model.moe_ffn_dim=24"), env=_env(),
+                       capture_output=True, text=True, check=False, timeout=300)
+  assert res.returncode == 2, res.stderr[-2000:]
+  err = res.stderr.strip()
+  assert err.count("\n") == 0 and "does not fit this run" in err
+  assert re.search(r"params\.layers\.1\.mlp\.\S+ is \[[\d, ]+\] float32 there, \[[\d, ]+\] float32 here", err)
+  assert "model.moe_ffn_dim 16 there, 24 here" in err
+  assert ((a / "config.yaml").read_text(), sorted(os.listdir(a / "checkpoints"))) == before
 
 
 def test_extend_overrides_and_bad_sft_input(tmp_path):
