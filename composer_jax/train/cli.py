@@ -95,6 +95,11 @@ def pretrain(args) -> int:
 
 def _init_run_config(init: str) -> dict:
   from composer_jax.train.checkpoint import find_checkpoint
+  from composer_jax.train.init import init_kind, model_section
+  kind = init_kind(init)
+  if kind != "run":  # converted / HF: the length the checkpoint supports is the one to extend
+    model = model_section(init, kind)
+    return {"data": {"seq_len": model["max_seq_len"]}, "model": model}
   run_dir = os.path.dirname(find_checkpoint(init)[0])
   path = os.path.join(run_dir, "config.yaml")
   if not os.path.exists(path):
@@ -108,13 +113,13 @@ def extend_overrides(old: dict, seq_len: int, yarn_factor: float = 0.0) -> list[
   old_len = int(old["data"]["seq_len"])
   if seq_len <= old_len:
     raise ConfigError(f"--seq-len {seq_len} must exceed the init run's data.seq_len={old_len}")
-  factor = yarn_factor or seq_len / old_len
-  if factor < 1:
-    raise ConfigError(f"--yarn-factor {factor} must be >= 1")
   # YaRN stretches the positions the checkpoint was trained on; an already-extended model keeps
-  # its original window.
+  # its original window, and the factor is relative to that window (not to the extended length).
   orig = old_len if float(old["model"].get("yarn_factor", 1.0)) == 1.0 else int(
       old["model"]["yarn_original_max_position"])
+  factor = yarn_factor or seq_len / orig
+  if factor < 1:
+    raise ConfigError(f"--yarn-factor {factor} must be >= 1")
   return [f"data.seq_len={seq_len}", f"model.max_seq_len={seq_len}",
           f"model.yarn_factor={factor}", f"model.yarn_original_max_position={orig}"]
 

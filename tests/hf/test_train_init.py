@@ -74,3 +74,13 @@ def test_init_from_a_converted_folder_matches_hf_init(hf_dir, capsys):
   a, b = hf_tensors(src), hf_tensors(str(base / "hf3"))
   for k in a:
     np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_extend_from_an_hf_folder_reads_its_window(hf_dir):
+  """extend --init HF_DIR: the old length is the checkpoint's max_position_embeddings (128), and an
+  already-YaRN'd model (factor 4 over 32) extends relative to its original window: 256 / 32 = 8."""
+  from composer_jax.train.cli import _init_run_config, extend_overrides
+  old = _init_run_config(hf_dir[1])
+  assert old["data"]["seq_len"] == 128
+  assert extend_overrides(old, 256) == ["data.seq_len=256", "model.max_seq_len=256",
+                                        "model.yarn_factor=8.0", "model.yarn_original_max_position=32"]

@@ -131,6 +131,8 @@ def test_extend_overrides_and_bad_sft_input(tmp_path):
            "model": {"yarn_factor": 4.0, "yarn_original_max_position": 128}}
   assert extend_overrides(again, 1024, 16.0)[2:] == ["model.yarn_factor=16.0",
                                                      "model.yarn_original_max_position=128"]
+  # By default the factor is relative to the original window: 1024 / 128 = 8 (not 1024 / 512).
+  assert extend_overrides(again, 1024)[2] == "model.yarn_factor=8.0"
   from composer_jax.cli import main
   from composer_jax.config import ConfigError
   with pytest.raises(ConfigError, match="--seq-len"):
