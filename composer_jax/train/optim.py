@@ -19,6 +19,9 @@ weight's size vanishes when added to a bf16 weight (8 bits of mantissa). So by d
 Bytes per parameter: 2 (bf16 weights) + 4 (master) + 8 (AdamW) = 14, or 2 + 4 + 4 = 10 with Muon on
 a matrix. ``master_dtype: none`` updates the parameters in their own dtype (moments in that dtype
 too: cheaper, lossy). With float32 parameters there is nothing to keep and no ``MasterState``.
+Since the master copy is the truth, new weights (``--init``, a reference policy) must enter through
+``train.loop.init_state``, which rebuilds the optimizer state from them; writing
+``state["params"]`` alone would be undone by the next step.
 """
 
 from __future__ import annotations
