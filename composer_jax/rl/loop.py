@@ -134,7 +134,9 @@ class RLRun:
       src.close()
       if got is None:
         raise ConfigError(f"--init {init!r} holds no readable checkpoint")
-      self.tr.state.update(params=got[1]["params"], rest=got[1]["rest"])
+      # init_state: the optimizer (its float32 master copy of bf16 weights) starts from these weights
+      from composer_jax.train.loop import init_state
+      init_state(self.tr, got[1]["params"], got[1]["rest"])
       log(f"initialised the policy from {init_ckpt}/{got[0]}")
     self.frozen = None
     if (rl.feedback_kl_coef > 0 and rl.feedback_teacher == "frozen") or rl.kl_coef > 0:
