@@ -99,44 +99,53 @@ def dense_attention(q, k, v, seg, scale, with_max_logit=False):
 # Blockwise (flash-style) attention in pure JAX
 # --------------------------------------------------------------------------------------------------
 # Arrays are blocked as [nb, b, h, bs, d] (segments [nb, b, bs]) so a block is one leading index.
+# Queries and keys are blocked separately: query block i sits at block ``qidx[i]`` of the key
+# sequence (qidx = arange for self-attention; context parallelism passes its zigzag halves).
 
 
-def _block_mask(sb, i, j, bs):
-  """[b, 1, bs, bs] mask of (query block i, key block j): causal by index, same segment."""
-  qi = i * bs + jnp.arange(bs)
-  kj = j * bs + jnp.arange(bs)
-  causal = qi[:, None] >= kj[None, :]
-  return (causal[None] & (sb[i][:, :, None] == sb[j][:, None, :]))[:, None]
+def _vary(x, *refs):
+  """A fresh loop carry typed as varying over the mesh axes ``refs`` vary over (inside shard_map,
+  as under context parallelism; a no-op elsewhere), so it matches the carry the body returns."""
+  varying = lambda a: set(getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", ()) or ())
+  axes = set().union(*(varying(r) for r in refs)) - varying(x)
+  return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
 
 
-def _visit_plan(sb):
+def _block_mask(sq, sk, qi, j, bs):
+  """[b, 1, bs, bs] mask of (query block at key-block index qi, key block j): causal by index,
+  same segment. sq, sk: the two blocks' segment ids [b, bs]."""
+  causal = (qi * bs + jnp.arange(bs))[:, None] >= (j * bs + jnp.arange(bs))[None, :]
+  return (causal[None] & (sq[:, :, None] == sk[:, None, :]))[:, None]
+
+
+def _visit_plan(sqb, skb, qidx):
   """Which (query block i, key block j) pairs to visit, as index lists for the loops.
 
-  A pair is visited if j <= i and, in some row, the segment-id ranges of the two blocks overlap:
-  exact for the non-decreasing ids of packed rows, never skipping a pair with a valid entry
-  otherwise. Returns (keys [nb, nb]: visited j of each i, descending, so the diagonal comes first;
-  n_keys [nb]; queries [nb, nb]: visited i of each j; n_queries [nb]).
+  A pair is visited if j <= qidx[i] and, in some row, the segment-id ranges of the two blocks
+  overlap: exact for the non-decreasing ids of packed rows, never skipping a pair with a valid entry
+  otherwise. Returns (keys [nq, nk]: visited j of each i, descending, so the query's own block
+  comes first; n_keys [nq]; queries [nk, nq]: visited i of each j; n_queries [nk]).
   """
-  nb = sb.shape[0]
-  lo, hi = sb.min(-1), sb.max(-1)  # [nb, b]
-  overlap = ((lo[:, None] <= hi[None, :]) & (lo[None, :] <= hi[:, None])).any(-1)
-  idx = jnp.arange(nb)
-  visit = overlap & (idx[:, None] >= idx[None, :])
-  keys = jnp.argsort(jnp.where(visit, -idx[None, :], nb), axis=1).astype(jnp.int32)
-  queries = jnp.argsort(jnp.where(visit.T, idx[None, :], nb), axis=1).astype(jnp.int32)
+  nq, nk = sqb.shape[0], skb.shape[0]
+  qlo, qhi, klo, khi = sqb.min(-1), sqb.max(-1), skb.min(-1), skb.max(-1)  # [n, b]
+  overlap = ((qlo[:, None] <= khi[None, :]) & (klo[None, :] <= qhi[:, None])).any(-1)
+  kj, qi = jnp.arange(nk), jnp.arange(nq)
+  visit = overlap & (qidx[:, None] >= kj[None, :])
+  keys = jnp.argsort(jnp.where(visit, -kj[None, :], nk), axis=1).astype(jnp.int32)
+  queries = jnp.argsort(jnp.where(visit.T, qi[None, :], nq), axis=1).astype(jnp.int32)
   return keys, visit.sum(1), queries, visit.sum(0)
 
 
-def _fwd_loop(qb, kb, vb, sb):
-  """Online softmax over the visited key blocks of every query block, diagonal first.
+def _fwd_loop(qb, kb, vb, sqb, skb, qidx):
+  """Online softmax over the visited key blocks of every query block, its own block first.
 
-  With the diagonal first each row's running max is finite from the start, so masked scores
-  (NEG_INF) exponentiate to exactly 0 without a second select. Returns o [nb,b,h,bs,dv] in v's
-  dtype, the log-sum-exp and the row max [nb, b, h, bs] (float32).
+  With the query's own block first each row's running max is finite from the start, so masked
+  scores (NEG_INF) exponentiate to exactly 0 without a second select. Returns o [nq,b,h,bs,dv] in
+  v's dtype, the log-sum-exp and the row max [nq, b, h, bs] (float32).
   """
-  nb, b, h, bs, _ = qb.shape
+  _, b, h, bs, _ = qb.shape
   dv = vb.shape[-1]
-  keys, n_keys, _, _ = _visit_plan(sb)
+  keys, n_keys, _, _ = _visit_plan(sqb, skb, qidx)
 
   def q_block(i):
     q = qb[i]
@@ -145,7 +154,7 @@ def _fwd_loop(qb, kb, vb, sb):
       m, l, acc = carry
       j = keys[i, t]
       s = jnp.einsum("bhqd,bhkd->bhqk", q, kb[j], preferred_element_type=jnp.float32)
-      s = jnp.where(_block_mask(sb, i, j, bs), s, NEG_INF)
+      s = jnp.where(_block_mask(sqb[i], skb[j], qidx[i], j, bs), s, NEG_INF)
       m_new = jnp.maximum(m, s.max(-1))
       p = jnp.exp(s - m_new[..., None])
       alpha = jnp.exp(m - m_new)
@@ -155,19 +164,20 @@ def _fwd_loop(qb, kb, vb, sb):
 
     init = (jnp.full((b, h, bs), NEG_INF, jnp.float32), jnp.zeros((b, h, bs), jnp.float32),
             jnp.zeros((b, h, bs, dv), jnp.float32))
+    init = tuple(_vary(x, qb, kb, vb, sqb, skb, qidx) for x in init)
     m, l, acc = jax.lax.fori_loop(0, n_keys[i], step, init)
-    l = jnp.maximum(l, jnp.finfo(jnp.float32).tiny)  # the diagonal makes l >= 1; guard anyway
+    l = jnp.maximum(l, jnp.finfo(jnp.float32).tiny)  # the own block makes l >= 1; guard anyway
     return (acc / l[..., None]).astype(vb.dtype), m + jnp.log(l), m
 
-  return jax.lax.map(q_block, jnp.arange(nb))
+  return jax.lax.map(q_block, jnp.arange(qb.shape[0]))
 
 
-def _bwd_loop(qb, kb, vb, sb, ob, lse, dob):
+def _bwd_loop(qb, kb, vb, sqb, skb, qidx, ob, lse, dob):
   """One pass over (key block j, visited query block i): dk_j and dv_j accumulate in the inner
   loop, dq in a float32 buffer updated in place; scores are recomputed from the log-sum-exp."""
-  nb, b, h, bs, dk = qb.shape
+  _, b, h, bs, dk = qb.shape
   delta = jnp.einsum("nbhqd,nbhqd->nbhq", ob.astype(jnp.float32), dob.astype(jnp.float32))
-  _, _, queries, n_queries = _visit_plan(sb)
+  _, _, queries, n_queries = _visit_plan(sqb, skb, qidx)
 
   def k_block(j, carry):
     dq, dkb, dvb = carry
@@ -178,7 +188,8 @@ def _bwd_loop(qb, kb, vb, sb, ob, lse, dob):
       i = queries[j, t]
       q, do = qb[i], dob[i]
       s = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
-      p = jnp.exp(jnp.where(_block_mask(sb, i, j, bs), s, NEG_INF) - lse[i][..., None])
+      mask = _block_mask(sqb[i], skb[j], qidx[i], j, bs)
+      p = jnp.exp(jnp.where(mask, s, NEG_INF) - lse[i][..., None])
       dv_j = dv_j + jnp.einsum("bhqk,bhqd->bhkd", p.astype(do.dtype), do,
                                preferred_element_type=jnp.float32)
       dp = jnp.einsum("bhqd,bhkd->bhqk", do, v, preferred_element_type=jnp.float32)
@@ -188,30 +199,31 @@ def _bwd_loop(qb, kb, vb, sb, ob, lse, dob):
       return dq.at[i].add(dq_i), dk_j, dv_j
 
     init = (dq, jnp.zeros((b, h, bs, dk), jnp.float32), jnp.zeros((b, h, bs, vb.shape[-1]), jnp.float32))
+    init = tuple(_vary(x, qb, kb, vb, sqb, skb, qidx, dob) for x in init)
     dq, dk_j, dv_j = jax.lax.fori_loop(0, n_queries[j], step, init)
     return dq, dkb.at[j].set(dk_j), dvb.at[j].set(dv_j)
 
-  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  dq, dkb, dvb = jax.lax.fori_loop(0, nb, k_block, (zeros(qb), zeros(kb), zeros(vb)))
+  zeros = lambda x: _vary(jnp.zeros(x.shape, jnp.float32), qb, kb, vb, sqb, skb, qidx, dob)
+  dq, dkb, dvb = jax.lax.fori_loop(0, kb.shape[0], k_block, (zeros(qb), zeros(kb), zeros(vb)))
   return dq.astype(qb.dtype), dkb.astype(kb.dtype), dvb.astype(vb.dtype)
 
 
 @jax.custom_vjp
-def _flash(qb, kb, vb, sb):
-  o, _, m = _fwd_loop(qb, kb, vb, sb)
+def _flash(qb, kb, vb, sqb, skb, qidx):
+  o, _, m = _fwd_loop(qb, kb, vb, sqb, skb, qidx)
   return o, m
 
 
-def _flash_fwd(qb, kb, vb, sb):
-  o, lse, m = _fwd_loop(qb, kb, vb, sb)
-  return (o, m), (qb, kb, vb, sb, o, lse)
+def _flash_fwd(qb, kb, vb, sqb, skb, qidx):
+  o, lse, m = _fwd_loop(qb, kb, vb, sqb, skb, qidx)
+  return (o, m), (qb, kb, vb, sqb, skb, qidx, o, lse)
 
 
 def _flash_bwd(res, g):
-  qb, kb, vb, sb, o, lse = res
+  qb, kb, vb, sqb, skb, qidx, o, lse = res
   do, _ = g  # the row max is a statistic (QK-clip), not differentiated
-  dq, dk, dv = _bwd_loop(qb, kb, vb, sb, o, lse, do)
-  return dq, dk, dv, None
+  dq, dk, dv = _bwd_loop(qb, kb, vb, sqb, skb, qidx, o, lse, do)
+  return dq, dk, dv, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -242,13 +254,30 @@ def blockwise_attention(q, k, v, seg, scale, block=512, with_max_logit=False):
   bs = block
   nb = -(-s // bs)
   q = q * jnp.asarray(scale, q.dtype)
-  o, m = _flash(_to_blocks(q, nb, bs), _to_blocks(k, nb, bs), _to_blocks(v, nb, bs),
-                _seg_blocks(seg, b, s, nb, bs))
+  sb = _seg_blocks(seg, b, s, nb, bs)
+  o, m = _flash(_to_blocks(q, nb, bs), _to_blocks(k, nb, bs), _to_blocks(v, nb, bs), sb, sb,
+                jnp.arange(nb, dtype=jnp.int32))
   o = o.transpose(1, 0, 3, 2, 4).reshape(b, nb * bs, h, -1)[:, :s]
   if not with_max_logit:
     return o, None
   m = m.transpose(1, 2, 0, 3).reshape(b, h, nb * bs)[:, :, :s]
   return o, jax.lax.stop_gradient(m.max(axis=(0, 2)))
+
+
+def blockwise_core(q, k, v, q_seg, k_seg, q_block_idx, block):
+  """The blockwise kernel for queries at given places in the key sequence (context parallelism).
+
+  q [b, nq*block, h, dk] (scale already applied), k [b, nk*block, h, dk], v [b, nk*block, h, dv];
+  q_seg [b, nq*block], k_seg [b, nk*block]; q_block_idx [nq] int32: the key block each query block
+  coincides with (causality by index). Returns (o [b, nq*block, h, dv], per-head max logit [h]).
+  """
+  b, lq, h, _ = q.shape
+  nq, nk = lq // block, k.shape[1] // block
+  seg_blocks = lambda sg, n: sg.astype(jnp.int32).reshape(b, n, block).transpose(1, 0, 2)
+  o, m = _flash(_to_blocks(q, nq, block), _to_blocks(k, nk, block), _to_blocks(v, nk, block),
+                seg_blocks(q_seg, nq), seg_blocks(k_seg, nk), q_block_idx.astype(jnp.int32))
+  o = o.transpose(1, 0, 3, 2, 4).reshape(b, lq, h, -1)
+  return o, jax.lax.stop_gradient(m.max(axis=(0, 1, 3)))
 
 
 def max_logit(q, k, seg, scale, block=512):
@@ -259,13 +288,14 @@ def max_logit(q, k, seg, scale, block=512):
   qb = _to_blocks(jax.lax.stop_gradient(q) * jnp.asarray(scale, q.dtype), nb, bs)
   kb = _to_blocks(jax.lax.stop_gradient(k), nb, bs)
   sb = _seg_blocks(seg, b, s, nb, bs)
-  keys, n_keys, _, _ = _visit_plan(sb)
+  keys, n_keys, _, _ = _visit_plan(sb, sb, jnp.arange(nb))
 
   def q_block(i):
     def step(t, m):
       j = keys[i, t]
       sc = jnp.einsum("bhqd,bhkd->bhqk", qb[i], kb[j], preferred_element_type=jnp.float32)
-      return jnp.maximum(m, jnp.where(_block_mask(sb, i, j, bs), sc, NEG_INF).max(axis=(0, 2, 3)))
+      mask = _block_mask(sb[i], sb[j], i, j, bs)
+      return jnp.maximum(m, jnp.where(mask, sc, NEG_INF).max(axis=(0, 2, 3)))
     return jax.lax.fori_loop(0, n_keys[i], step, jnp.full((h,), NEG_INF, jnp.float32))
 
   return jax.lax.map(q_block, jnp.arange(nb)).max(0)

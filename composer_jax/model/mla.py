@@ -17,6 +17,7 @@ from composer_jax.model.attention import (
   NEG_INF,
   attention,
   attention_mask,
+  blockwise_core,
   masked_softmax,
 )
 from composer_jax.model.layers import KeySeq, Linear, RMSNorm, apply_rope, softmax_scale
@@ -80,10 +81,13 @@ class MLA(nnx.Module):
     c, k_pe = self._latent(x, cos, sin)
     mesh, _ = active()
     if mesh is not None and mesh.shape.get("context", 1) > 1:  # sequence sharded: balanced CP
-      # gathers the latent (kv_lora_rank + rope per token), expands K/V on each device
+      # gathers the latent (kv_lora_rank + rope per token), expands K/V on each device and attends
+      # block by block (O(s) memory per device; dense = the per-pair reference)
       w = self.kv_b.w[...].astype(self.kv_b.compute_dtype)
+      core = None if cfg.attention_impl == "dense" else blockwise_core
       o, top = context_attention(q_nope, q_pe, c.astype(w.dtype), k_pe, w, seg, self.scale,
-                                 local=self._attend, with_max_logit=True)
+                                 local=self._attend, with_max_logit=True, core=core,
+                                 block=cfg.attention_block)
     else:
       kv = self.kv_b(c)  # [b, s, h, nope + v]
       k_nope, v = kv[..., : cfg.qk_nope_dim], kv[..., cfg.qk_nope_dim:]

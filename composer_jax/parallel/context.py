@@ -66,7 +66,12 @@ def _expand(c, w, dn):
   return kv[..., :dn], kv[..., dn:]
 
 
-def _balanced_body(q_nope, q_pe, c_lat, k_pe, w_kv, seg, *, scale, cp_axes, n, vary):
+def _block_size(c: int, block: int) -> int:
+  """The largest tile <= block that divides a half-chunk of c rows."""
+  return max(d for d in range(1, min(block, c) + 1) if c % d == 0)
+
+
+def _balanced_body(q_nope, q_pe, c_lat, k_pe, w_kv, seg, *, scale, cp_axes, n, vary, core, block):
   b, L = q_nope.shape[:2]
   c = L // 2
   dn = q_nope.shape[-1]
@@ -74,6 +79,9 @@ def _balanced_body(q_nope, q_pe, c_lat, k_pe, w_kv, seg, *, scale, cp_axes, n, v
   inv = lambda p: [(j, i) for i, j in p]
   if vary:  # kv_b meets different tokens on each of these shards: its gradient sums over them
     w_kv = jax.lax.pcast(w_kv, vary, to="varying")
+  if core is not None:
+    return _core_body(q_nope, q_pe, c_lat, k_pe, w_kv, seg, scale=scale, cp_axes=cp_axes, n=n,
+                      vary=vary, core=core, block=block)
 
   def to_owner(x):  # [b, L, ...] -> [b, 2, c, ...] holding this device's (even, odd) halves
     x0 = jax.lax.ppermute(x[:, :c], cp_axes, perm0)
@@ -116,6 +124,37 @@ def _balanced_body(q_nope, q_pe, c_lat, k_pe, w_kv, seg, *, scale, cp_axes, n, v
   return jnp.concatenate([o0, o1], axis=1), top
 
 
+def _core_body(q_nope, q_pe, c_lat, k_pe, w_kv, seg, *, scale, cp_axes, n, vary, core, block):
+  """The balanced split with a blockwise ``core``: both query halves of this device attend over
+  the gathered, locally expanded keys in one call that visits only their causal key blocks, so
+  scores never exceed one (block x block) tile per head: memory O(s) per device."""
+  L, h = q_nope.shape[1:3]
+  c = L // 2
+  perm0, perm1 = _owner_perms(n)
+  inv = lambda p: [(j, i) for i, j in p]
+
+  def to_owner(x):  # [b, L, ...] -> [b, L, ...] holding this device's (even, odd) halves
+    x0 = jax.lax.ppermute(x[:, :c], cp_axes, perm0)
+    x1 = jax.lax.ppermute(x[:, c:], cp_axes, perm1)
+    return jnp.concatenate([x0, x1], axis=1)
+
+  gather = lambda x: jax.lax.all_gather(x, cp_axes, axis=1, tiled=True)
+  me = jax.lax.axis_index(cp_axes)
+  halves = jnp.asarray(zigzag_halves(n), jnp.int32)[me]  # [2]
+  q = jnp.concatenate([to_owner(q_nope), to_owner(q_pe)], axis=-1)
+  k_nope, v = _expand(gather(c_lat), w_kv, q_nope.shape[-1])  # the latent travels, not K/V
+  kp = gather(k_pe)
+  k = jnp.concatenate([k_nope, jnp.broadcast_to(kp[:, :, None], kp.shape[:2] + (h, kp.shape[-1]))],
+                      axis=-1)
+  bs = _block_size(c, block)
+  m = c // bs
+  q_idx = jnp.concatenate([halves[0] * m + jnp.arange(m), halves[1] * m + jnp.arange(m)])
+  o, top = core(q * jnp.asarray(scale, q.dtype), k, v, to_owner(seg), gather(seg), q_idx, bs)
+  o0 = jax.lax.ppermute(o[:, :c], cp_axes, inv(perm0))
+  o1 = jax.lax.ppermute(o[:, c:], cp_axes, inv(perm1))
+  return jnp.concatenate([o0, o1], axis=1).astype(v.dtype), jax.lax.pmax(top, vary)
+
+
 def dense_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale, with_max_logit=False):
   """The unsharded computation over expanded keys and values (the reference); with
   ``with_max_logit``, (o, per-head max of the masked scaled logits [h])."""
@@ -134,14 +173,16 @@ def dense_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale, with_max_logit=Fa
 
 
 def context_attention(q_nope, q_pe, c, k_pe, w_kv, seg, scale: float, mesh=None, rules=None,
-                      local=None, with_max_logit=False):
+                      local=None, with_max_logit=False, core=None, block: int = 128):
   """Causal attention with the sequence sharded over context, from the MLA latent.
 
   q_nope/q_pe [b,s,h,*]; c [b,s,r] the normed latent; k_pe [b,s,rope] (roped); w_kv [r,h,dn+dv]
   the key/value up-projection. Returns o [b,s,h,dv], or with ``with_max_logit`` (o, per-head max
   logit [h], no gradient) for QK-clip. Where no context axis is active or s does not split into 2n,
   K/V are expanded here and ``local(q_nope, q_pe, k_nope, k_pe, v, seg)`` runs (default:
-  dense_attention); it returns what this function would.
+  dense_attention); it returns what this function would. ``core`` (the model's blockwise kernel,
+  ``composer_jax.model.attention.blockwise_core``, handed in so this module never imports the
+  model) replaces the dense (query half, key block) pairs with ``block``-row tiles.
   """
   if mesh is None:
     mesh, rules = active()
@@ -168,7 +209,8 @@ def context_attention(q_nope, q_pe, c, k_pe, w_kv, seg, scale: float, mesh=None,
   vary = axes_of(spec[0]) + cp_axes
 
   def body(*args):
-    return _balanced_body(*args, scale=scale, cp_axes=cp_axes, n=n, vary=vary)
+    return _balanced_body(*args, scale=scale, cp_axes=cp_axes, n=n, vary=vary, core=core,
+                          block=block)
 
   fn = jax.shard_map(body, mesh=mesh, in_specs=(q_spec, q_spec, lat_spec, lat_spec, w_spec, seg_spec),
                      out_specs=(q_spec, P(spec[2])))
