@@ -15,8 +15,12 @@ untouched. Only the attention core runs inside ``shard_map``:
    ``4n`` for the dense masked product. The query halves reach their zigzag owner with two
    ``ppermute`` calls (each a permutation, since even and odd half-chunks map to distinct devices)
    and the outputs return the same way.
-3. The ``2n+1`` (query half, key block) pairs have static shapes; one softmax is taken across the
-   pairs of each query half (a shared max and denominator), so the result equals the dense one.
+3. With a ``core`` (the model's blockwise kernel, handed in by the caller) both query halves attend
+   in one call over the expanded keys, visiting only their causal, segment-overlapping key tiles:
+   one (block x block) tile of scores per head at a time, memory O(s) per device — what a 256K
+   context needs. Without one (the reference, ``model.attention_impl=dense``), the ``2n+1``
+   (query half, key block) pairs are dense with static shapes and one softmax is taken across the
+   pairs of each query half (a shared max and denominator). Both equal the unsharded result.
 
 Causality is by index in the packed row and keys must share the query's segment, as in
 ``composer_jax.model.attention``; rows with no valid key give zeros. This module imports nothing
