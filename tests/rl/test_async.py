@@ -138,7 +138,8 @@ requires_bwrap = pytest.mark.skipif(not sandbox.bwrap_available(),
 def test_async_run_survives_a_killed_worker(world):
   """1 Ray worker, 2 learner steps of 2 tasks x 2 samples. The worker is SIGKILLed while it plays the
   first unit; its unit is re-queued, a replacement joins, the run finishes. Every trained trajectory
-  is within rl.max_staleness of the learner; the 4 tasks are each trained once (one epoch)."""
+  is within rl.max_staleness of the learner; the 4 tasks are each trained once (one epoch). Then a
+  resumed run trains the tasks the checkpoint held as pending."""
   pytest.importorskip("ray")
   from composer_jax.rl.async_loop import AsyncRLRun
   root, init, tasks = world
@@ -173,3 +174,18 @@ def test_async_run_survives_a_killed_worker(world):
   with open(out / "checkpoints" / "2" / "data" / "metadata") as f:
     data = json.load(f)
   assert data["version"] == 2 and data["ledger"]["next_gid"] >= 5
+  pending = data["ledger"]["queue"]
+  assert pending, "work handed out at the checkpoint (the workers were topped up before the update)"
+  # Resume (as after kill -9 of the learner: the checkpoint is the only state): the pending tasks are
+  # handed out first and trained at step 3; nothing is lost, the stream continues.
+  cfg3 = load_config(None, MODEL + RL + [f"rl.tasks={tasks}", "rl.async=true", "rl.num_workers=1",
+                                         "rl.max_staleness=1", "rl.steps=3"])
+  run = AsyncRLRun(cfg3, str(out), resume=True)
+  try:
+    assert run.version == 2 and list(run.ledger.queue) == pending
+    run.run()
+  finally:
+    run.orch.shutdown()
+  assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+  step3 = {r["task"] for r in _jsonl(out / "rollouts.jsonl") if r["step"] == 3}
+  assert step3 == {run.tasks[i].instance_id for i in pending[:2]}
