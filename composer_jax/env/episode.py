@@ -28,8 +28,10 @@ SYSTEM_PROMPT = ("You are a coding agent working in a repository checked out in 
 
 
 def system_prompt(tool_docs: str = "full") -> str:
-  """The system message; ``env.tool_docs=brief`` lists each tool on one line (short contexts)."""
-  return SYSTEM_PROMPT + describe_tools(SPECS, brief=tool_docs == "brief")
+  """The system message; ``env.tool_docs=brief`` lists each tool on one line, ``signatures`` only
+  the call format and each tool's arguments (short contexts)."""
+  return SYSTEM_PROMPT + describe_tools(SPECS, brief=tool_docs == "brief",
+                                        signatures_only=tool_docs == "signatures")
 
 
 @dataclasses.dataclass

@@ -217,9 +217,14 @@ def parse_observations(text: str) -> list[tuple[str, bool, str]]:
   return [(m.group(1), m.group(2) == "ok", m.group(3)) for m in OBSERVATION.finditer(text)]
 
 
-def describe_tools(specs: dict[str, ToolSpec], brief: bool = False) -> str:
+def describe_tools(specs: dict[str, ToolSpec], brief: bool = False, signatures_only: bool = False) -> str:
   """The tool list for the system prompt; ``brief`` is one line per tool (small models, short
-  contexts: ``env.tool_docs=brief``)."""
+  contexts: ``env.tool_docs=brief``); ``signatures_only`` is one line in all, the call format and
+  each tool's arguments (the tiny config: ``env.tool_docs=signatures``)."""
+  if signatures_only:
+    sigs = "; ".join(f"{s.name}({', '.join(a.name + ('' if a.required else '?') for a in s.args)})"
+                     for s in specs.values())
+    return f'Call tools as <tool_call name="TOOL"><arg>value</arg></tool_call>. Tools: {sigs}.'
   if brief:
     lines = ['Call tools as <tool_call name="TOOL"><arg>value</arg></tool_call> (raw text). Tools:']
     for spec in specs.values():
