@@ -242,7 +242,8 @@ class EnvConfig:
   cache_dir: str = ""  # sdist cache for `tasks generate --package` ("" = ~/.cache/composer_jax/sdists)
   max_fail_fraction: float = 0.5  # drop deletions that fail more of the tests (an import break)
   verbose_prompt: bool = False  # episodes get the verbose problem statement instead of the terse one
-  tool_docs: Literal["full", "brief"] = "full"  # system prompt's tool list; brief = one line per tool
+  # The system prompt's tool list: full, one line per tool (brief), or one line in all (signatures).
+  tool_docs: Literal["full", "brief", "signatures"] = "full"
 
 
 @dataclass
