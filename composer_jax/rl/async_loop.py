@@ -106,7 +106,8 @@ class AsyncRLRun(RLRun):
         r.group = g
         rollouts.append(r)
       self.ledger.done(gid)
-    self.top_up()  # the workers sample the next groups while the learner updates
+    if rl.max_staleness > 0:  # the workers sample the next groups while the learner updates (with
+      self.top_up()  # max_staleness=0 they would be stale before they are trained on)
     rec = self.learn(step, rollouts, waited)
     now = time.perf_counter()
     ws = list(self.worker_stats.values())
