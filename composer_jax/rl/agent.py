@@ -111,7 +111,7 @@ class RolloutRunner:
     ep = Episode(job.task, self.limits, self.mode, self.cfg.env.max_turns,
                  self.cfg.env.verbose_prompt, policy_name="model", tool_docs=self.cfg.env.tool_docs)
     msgs = ep.open()
-    counts = dict(reasoning_tokens=0, tool_call_tokens=0, tool_output_tokens=0, final_tokens=0)
+    counts = {"reasoning_tokens": 0, "tool_call_tokens": 0, "tool_output_tokens": 0, "final_tokens": 0}
     rollout = Rollout(job.task.instance_id, job.group, [], [], ep.traj, counts)
     live = _Live(job, ep, (id(ep), 0), SegmentBuilder(self.n_moe, self.k), rollout, msgs)
     if not self._submit(live, self._encode(msgs)):

@@ -21,7 +21,12 @@ from composer_jax.data import chat
 from composer_jax.env.guards import Flag, is_hack
 from composer_jax.rl import feedback
 from composer_jax.rl.advantages import group_advantages, group_pass_stats
-from composer_jax.rl.losses import feedback_kl, policy_loss, teacher_targets, token_logprobs
+from composer_jax.rl.losses import (
+  feedback_kl,
+  policy_loss,
+  teacher_targets,
+  token_logprobs,
+)
 from composer_jax.rl.rewards import episode_reward
 
 # --------------------------------------------------------------------------------------------------

@@ -211,7 +211,7 @@ class RLRun:
     self.publish(step)
     grading = sum(float(r.traj.grade.get("seconds", 0.0)) for r in rollouts)
     rec = {"step": step, "reward_mean": stats["reward_mean"], "pass_rate": stats["pass_rate"],
-           **{k: v for k, v in stats.items() if k.startswith("pass@") or k.startswith("pass^")},
+           **{k: v for k, v in stats.items() if k.startswith(("pass@", "pass^"))},
            "completion_tokens_mean": float(np.mean([r.completion_tokens for r in rollouts])),
            "length_penalty_mean": float(np.mean([r.parts.get("length_penalty", 0.0) for r in rollouts])),
            "shaping_penalty_mean": float(np.mean([r.parts.get("shaping_penalty", 0.0) for r in rollouts])),

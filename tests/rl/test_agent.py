@@ -17,8 +17,7 @@ from composer_jax.env.tasks import read_text
 from composer_jax.rl import learner as L
 from composer_jax.rl.agent import Job, RolloutRunner
 from composer_jax.rl.sampler import Generation
-
-from tests.rl.scripted import K, N_MOE, ScriptedEngine
+from tests.rl.scripted import N_MOE, K, ScriptedEngine
 
 
 @pytest.fixture(scope="module")

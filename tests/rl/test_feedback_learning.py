@@ -25,7 +25,6 @@ from composer_jax.env.protocol import format_call
 from composer_jax.env.tasks import load_tasks
 from composer_jax.rl import learner as L
 from composer_jax.rl.agent import Job, RolloutRunner
-
 from tests.rl.conftest import MODEL, RL
 from tests.rl.scripted import ScriptedEngine
 

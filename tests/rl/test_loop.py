@@ -14,7 +14,6 @@ import pytest
 from composer_jax.config import load_config
 from composer_jax.env import sandbox
 from composer_jax.rl import learner as L
-
 from tests.rl.conftest import MODEL, RL
 
 pytestmark = pytest.mark.skipif(not sandbox.bwrap_available(),

@@ -1,0 +1,49 @@
+"""`composer-jax run` end to end at reduced size: every stage, the summary and the table, --resume."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from composer_jax.env import sandbox
+from composer_jax.recipe import bootstrap_ci
+
+SMALL = ["train.steps=2", "train.eval_every=0", "data.tokenizer_train_mb=1", "data.max_files=200",
+         "run.train_tasks=4", "run.heldout_tasks=2", "run.unseen_tasks=2", "run.eval_samples=2",
+         "run.sft_overrides=[data.seq_len=1280,data.batch_size=2,train.steps=2]",
+         "run.rl_overrides=[rl.steps=1,rl.tasks_per_step=2,rl.group_size=2,rl.max_new_tokens=16]",
+         "run.eval_overrides=[rl.max_new_tokens=16,env.max_turns=2]",
+         "train.progress=false", "mesh.data=1"]
+
+
+def test_bootstrap_ci_brackets_the_mean():
+  lo, hi = bootstrap_ci([0.0, 1.0] * 50)
+  assert lo < 0.5 < hi and hi - lo < 0.3
+  assert bootstrap_ci([1.0] * 10) == (1.0, 1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sandbox.bwrap_available(), reason="bubblewrap cannot run here")
+def test_main_job_small(tmp_path, capsys):
+  from composer_jax.cli import main
+  out = tmp_path / "run"
+  assert main(["run", "configs/tiny.yaml", "--out", str(out), *SMALL]) == 0
+  s = json.load(open(out / "summary.json"))
+  for part in (s["sft"], s["rl"], s["unseen_templates"]["sft"], s["unseen_templates"]["rl"]):
+    assert 0.0 <= part["pass@1"] <= 1.0 and part["tasks"] == 2 and part["samples"] == 2
+    assert part["ci95"][0] <= part["pass@1"] <= part["ci95"][1]
+  assert np.isclose(s["rl_minus_sft_pass@1"], s["rl"]["pass@1"] - s["sft"]["pass@1"])
+  assert set(s["wall_s"]) == {"pretrain", "tasks", "expert", "sft", "eval_sft", "rl", "eval_rl"}
+  for d in ("pretrain/plots", "sft/plots", "rl/plots"):
+    assert os.listdir(out / d)
+  assert os.path.getsize(out / "score_vs_tokens.png") > 1000
+  printed = capsys.readouterr().out
+  assert "RL - SFT held-out pass@1" in printed
+  # --resume skips every finished stage.
+  assert main(["run", "configs/tiny.yaml", "--out", str(out), "--resume", *SMALL]) == 0
+  assert capsys.readouterr().out.count("done earlier, skipped") == 7
+  # A non-empty --out without --resume is refused in one line.
+  assert main(["run", "configs/tiny.yaml", "--out", str(out), *SMALL]) == 2
