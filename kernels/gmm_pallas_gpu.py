@@ -94,7 +94,7 @@ def _gmm_kernel(gid_ref, gbs_ref, x_ref, w_ref, o_ref, *, nk, bk, bn, transpose_
 
 
 def gmm_blocks(xp, rhs, layout, block_rows: int, *, transpose_rhs: bool = False, out_dtype=None,
-               interpret: bool = False):
+               interpret: bool = False, num_warps: int = 4):
   """xp[nb*bm, k] @ rhs[block_group[b]] per block -> [nb*bm, n] (rhs [g,k,n], or [g,n,k] transposed)."""
   mp, k = xp.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -114,7 +114,7 @@ def gmm_blocks(xp, rhs, layout, block_rows: int, *, transpose_rhs: bool = False,
           _full(rhs.shape),
       ],
       out_specs=pl.BlockSpec((block_rows, bn), lambda b, j: (b, j)),
-      compiler_params=triton_params((block_rows + bn) * bk * wide),
+      compiler_params=triton_params((block_rows + bn) * bk * wide, num_warps),
       interpret=interpret,
       name="gmm_gpu",
   )(layout.block_group, layout.group_block_start, xp, rhs)
@@ -193,7 +193,7 @@ def _gmm_fp8_kernel(gid_ref, gbs_ref, x_ref, xs_ref, w_ref, ws_ref, o_ref, *, nk
 
 
 def gmm_fp8_blocks(xq, xs, wq, ws, layout, block_rows: int, *, transpose_rhs: bool = False,
-                   out_dtype=jnp.float32, interpret: bool = False):
+                   out_dtype=jnp.float32, interpret: bool = False, num_warps: int = 4):
   """Block-scaled FP8 product: xq [nb*bm, k] (E4M3 or E5M2) with float32 row scales xs
   [nb*bm, k/sb], wq [g, k, n] (or [g, n, k] with ``transpose_rhs``) with float32 scales ws on wq's
   axes, the contraction axis divided by sb and the output axis by cb.
@@ -234,7 +234,7 @@ def gmm_fp8_blocks(xq, xs, wq, ws, layout, block_rows: int, *, transpose_rhs: bo
           _full(ws.shape),
       ],
       out_specs=pl.BlockSpec((block_rows, bn), lambda b, j: (b, j)),
-      compiler_params=triton_params((block_rows + bn) * sb),  # 1-byte FP8 tiles
+      compiler_params=triton_params((block_rows + bn) * sb, num_warps),  # 1-byte FP8 tiles
       interpret=interpret,
       name="gmm_fp8_gpu",
   )(layout.block_group, layout.group_block_start, xq, xs, wq, ws)

@@ -211,6 +211,8 @@ def test_selection_by_backend_and_shape():
   assert A.resolve_impl("auto", 1024, "tpu") == "splash"
   assert A.resolve_impl("auto", 1000, "tpu") == "blockwise"  # splash needs s % 128 == 0
   assert A.resolve_impl("auto", 1024, "gpu") == "pallas_gpu"
+  assert A.resolve_impl("auto", 1024, "gpu", packed=False) == "cudnn"  # no segment ids: cuDNN
+  assert A.resolve_impl("auto", 1024, "gpu", packed=False, head_dim=320) == "pallas_gpu"
   assert A.resolve_impl("auto", 1024, "cpu") == "blockwise"
   assert A.resolve_impl("dense", 1024, "tpu") == "dense"
   with pytest.raises(ValueError, match="model.attention_impl"):
