@@ -6,6 +6,11 @@ expected values by running the reference code (our own generated code, in this p
 tests hold a couple of examples; hidden tests (restored only at grading) hold more cases and check
 exact result types, so hard-coding the visible examples or returning an always-equal object fails.
 
+Prompts put file names in backticks: the BPE then splits a name as the tool call writes it
+(`logic.py` -> 'log' 'ic' '.' 'py'; a bare " logic.py" starts with the space-prefixed ' log'), so
+naming the file to open is a copy of the very tokens the prompt holds, which a small model learns far
+sooner than a token-to-token mapping.
+
 Difficulty: 1 = the spec is a literal Python expression in the docstring, 2 = the spec is in words
 and a distractor function (already tested, PASS_TO_PASS) sits beside the target, 3 = a small piece
 of logic (a filter, a count, a conditional, an off-by-one).
@@ -324,9 +329,9 @@ def implement(rng: random.Random, d: int) -> Instance:
                                  function_src(fn, args, doc, body))
   before, after = {mod: module(*b)}, {mod: module(*a)}
   vis, hid, f2p, p2p = _function_tests(rng, mod, fn, args, before, after, other)
-  prompt = f"Implement `{fn}` in {mod}.py as its docstring says. {TEST_RUN}"
+  prompt = f"Implement `{fn}` in `{mod}.py` as its docstring says. {TEST_RUN}"
   return Instance("implement", d, _src(before), _src(after), vis, hid, f2p, p2p, prompt,
-                  prompt + f" The tests are in test_{mod}.py.", [f"{mod}.py"])
+                  prompt + f" The tests are in `test_{mod}.py`.", [f"{mod}.py"])
 
 
 def _off_by_one(rng: random.Random, names: Names):
@@ -367,9 +372,9 @@ def fix_bug(rng: random.Random, d: int) -> Instance:
                                  function_src(fn, args, doc, gold))
   before, after = {mod: module(*b)}, {mod: module(*a)}
   vis, hid, f2p, p2p = _function_tests(rng, mod, fn, args, before, after, other)
-  prompt = f"`{fn}` in {mod}.py does not do what its docstring says. Fix the bug. {TEST_RUN}"
+  prompt = f"`{fn}` in `{mod}.py` does not do what its docstring says. Fix the bug. {TEST_RUN}"
   return Instance("fix_bug", d, _src(before), _src(after), vis, hid, f2p, p2p, prompt,
-                  prompt + f" The tests are in test_{mod}.py.", [f"{mod}.py"])
+                  prompt + f" The tests are in `test_{mod}.py`.", [f"{mod}.py"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -445,12 +450,12 @@ def _class_task(rng, d, template, buggy: bool) -> Instance:
                                                        run_steps(after, hid), True)])}
   f2p = [f"test_{mod}.py::test_{meth}", f"test_{mod}_hidden.py::test_{meth}_hidden"]
   if buggy:
-    prompt = (f"`{cls}.{meth}` in {mod}.py does not do what its docstring says. Fix the bug. "
+    prompt = (f"`{cls}.{meth}` in `{mod}.py` does not do what its docstring says. Fix the bug. "
               f"{TEST_RUN}")
   else:
-    prompt = f"Complete the method `{cls}.{meth}` in {mod}.py as its docstring says. {TEST_RUN}"
+    prompt = f"Complete the method `{cls}.{meth}` in `{mod}.py` as its docstring says. {TEST_RUN}"
   return Instance(template, d, _src(before), _src(after), vis_files, hid_files, f2p, p2p, prompt,
-                  prompt + f" The tests are in test_{mod}.py.", [f"{mod}.py"])
+                  prompt + f" The tests are in `test_{mod}.py`.", [f"{mod}.py"])
 
 
 def method(rng: random.Random, d: int) -> Instance:
@@ -511,10 +516,10 @@ def two_file(rng: random.Random, d: int) -> Instance:
       [CHECK, render_test(f"test_{fn}_hidden", hid, run_steps(after, hid), True), uses_test])}
   f2p = [f"test_{mod}.py::test_{new.lower()}", f"test_{mod}.py::test_{fn}",
          f"test_{mod}_hidden.py::test_{fn}_hidden", f"test_{mod}_hidden.py::test_{fn}_uses_{new.lower()}"]
-  prompt = (f"Add the constant `{new} = {nval}` to {cmod}.py, then implement `{fn}` in {mod}.py as "
+  prompt = (f"Add the constant `{new} = {nval}` to `{cmod}.py`, then implement `{fn}` in `{mod}.py` as "
             f"its docstring says (import {new} from {cmod}). {TEST_RUN}")
   return Instance("two_file", d, _src(before), _src(after), visible, hidden, f2p,
-                  [f"test_{mod}.py::test_{oname}"], prompt, prompt + f" The tests are in test_{mod}.py.",
+                  [f"test_{mod}.py::test_{oname}"], prompt, prompt + f" The tests are in `test_{mod}.py`.",
                   [f"{cmod}.py", f"{mod}.py"])
 
 
@@ -550,7 +555,7 @@ def rename(rng: random.Random, d: int) -> Instance:
       [CHECK, render_test(f"test_{user}_hidden", hid, run_steps(after, hid), True), gone])}
   f2p = [f"test_{bmod}.py::test_{new}", f"test_{bmod}.py::test_{user}",
          f"test_{bmod}_hidden.py::test_{user}_hidden", f"test_{bmod}_hidden.py::test_{old}_is_gone"]
-  prompt = (f"Rename the function `{old}` in {amod}.py to `{new}` and update its uses in {bmod}.py. "
+  prompt = (f"Rename the function `{old}` in `{amod}.py` to `{new}` and update its uses in `{bmod}.py`. "
             f"{TEST_RUN}")
   return Instance("rename", d, _src(before), _src(after), visible, hidden, f2p, [], prompt,
-                  prompt + f" The tests are in test_{bmod}.py.", [f"{amod}.py", f"{bmod}.py"])
+                  prompt + f" The tests are in `test_{bmod}.py`.", [f"{amod}.py", f"{bmod}.py"])
