@@ -14,7 +14,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 
@@ -79,6 +79,9 @@ class ModelConfig:
   param_dtype: Literal["float32", "bfloat16"] = "float32"
   compute_dtype: Literal["float32", "bfloat16"] = "float32"
   remat: Literal["none", "full", "dots", "dots_no_batch", "moe_only"] = "none"
+  # The MoE layers as one stacked module run by a scan (compile time flat in depth) instead of a
+  # Python loop of modules; the dense lead layers and MTP depths stay modules of their own.
+  scan_layers: bool = False
   init_std: float = 0.02
 
   @property
@@ -552,6 +555,9 @@ def validate(cfg: Config) -> None:
   _require(m.mtp_depths >= 0, "model.mtp_depths must be >= 0")
   _require(m.rms_eps > 0, "model.rms_eps must be positive")
   _require(m.attention_block > 0, f"model.attention_block={m.attention_block} must be positive")
+  _require(not m.scan_layers or m.n_moe_layers > 0,
+           f"model.scan_layers=true scans the MoE layers, but model.n_layers={m.n_layers} are all dense "
+           f"(model.n_dense_layers={m.n_dense_layers}): set model.scan_layers=false")
 
   d = cfg.data
   _require(d.seq_len > 0 and d.batch_size > 0, "data.seq_len and data.batch_size must be positive")

@@ -234,7 +234,8 @@ def main():
   iters = 3 if args.quick else 7
   res = {}
   tiny = load_config("configs/tiny.yaml")
-  bench = load_config("configs/bench.yaml")
+  # per-layer modules: the expanded-K/V variant patches one KVLayerCache per layer
+  bench = load_config("configs/bench.yaml", ["model.scan_layers=false"])
   bm = build_model(bench, seed=0)
   res["decode_4k_bench"] = bench_4k(bench, bm, batch=4, iters=iters)
   print(res["decode_4k_bench"], flush=True)

@@ -4,7 +4,9 @@ Loading starts from ``abstract_model(cfg)`` (shapes only) and fills one paramete
 assembled on the host from its HF tensors (stacked experts one layer at a time), cast, and placed on
 its sharding, so the host never holds more than one parameter beyond the model itself. Every HF
 tensor the model needs is checked to exist (and every tensor in the folder to be used) before any
-weight is read.
+weight is read. A stacked parameter (``model.scan_layers``) is read one layer at a time into the
+slices its devices hold, and written one layer at a time: the host holds one layer of it beyond
+the local shards, never the whole stack.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from composer_jax.hf.names import (
   expert_names,
   fused_name,
   hf_shape,
-  leaf_map,
+  layer_maps,
   load_leaf,
   mtp_copies,
 )
@@ -133,13 +135,18 @@ def _load(reader: Reader, cfg: ModelConfig, mesh: Mesh | None, rules: dict | Non
 
   graphdef, state = nnx.split(abstract_model(cfg))
   flat = _flat(state)
-  plan = [(leaf_map(p, cfg), v) for p, v in flat]
+  plan = []  # (per-layer LeafMaps, variable, stacked)
+  for p, v in flat:
+    maps, stacked = layer_maps(p, cfg)
+    plan.append((maps, v, stacked))
   used = set()
   sources = []
-  for m, var in plan:
-    names = _sources(m, var.shape, cfg, reader)
+  for maps, var, stacked in plan:
+    shape = var.shape[1:] if stacked else var.shape
+    names = [_sources(m, shape, cfg, reader) for m in maps]
     sources.append(names)
-    used.update(names or ())
+    for n in names:
+      used.update(n or ())
   used.update(n + "_scale_inv" for n in list(used) if reader.has(n + "_scale_inv"))
   ignorable = set(mtp_copies(cfg)) | ({"lm_head.weight"} if cfg.tie_embeddings else set())
   extra = sorted(n for n in reader.keys() - used - ignorable if not n.endswith(IGNORED_SUFFIXES))
@@ -149,25 +156,56 @@ def _load(reader: Reader, cfg: ModelConfig, mesh: Mesh | None, rules: dict | Non
 
   rules = rules if rules is not None else make_rules()
 
-  def sharding(m, var):
+  def sharding(p, var):
     if mesh is None:
       return None
-    what = f"param {'/'.join(map(str, m.path))}"
+    what = f"param {'/'.join(map(str, p))}"
     return NamedSharding(mesh, spec_for(variable_axes(var), var.shape, mesh, rules, what=what))
 
-  shardings = [sharding(m, var) for m, var in plan]  # layout errors surface before any reads
-  for (m, var), names, shard in zip(plan, sources, shardings):
+  shardings = [sharding(p, var) for (p, _), (_, var, _) in zip(flat, plan)]  # layout errors first
+  for (maps, var, stacked), names, shard in zip(plan, sources, shardings):
     dt = np.dtype(var.dtype)
-    if names is None:
-      arr = np.zeros(var.shape, dt)
+    shape = tuple(var.shape[1:] if stacked else var.shape)
+
+    def layer(j, maps=maps, names=names, shape=shape, dt=dt):
+      arr = (np.zeros(shape, dt) if names[j] is None
+             else load_leaf(maps[j], shape, reader.read, reader.has, dt))
+      if arr.shape != shape:
+        raise ConfigError(f"{path}: {maps[j].name} gives shape {arr.shape} for parameter "
+                          f"{'/'.join(map(str, maps[j].path))}, expected {shape}")
+      return arr
+
+    if stacked:
+      var.set_value(_place_stacked(layer, tuple(var.shape), dt, shard))
     else:
-      arr = load_leaf(m, var.shape, reader.read, reader.has, dt)
-    if arr.shape != tuple(var.shape):
-      raise ConfigError(f"{path}: {m.name} gives shape {arr.shape} for parameter "
-                        f"{'/'.join(map(str, m.path))}, expected {tuple(var.shape)}")
-    var.set_value(_place(arr, shard))
-    del arr
+      arr = layer(0)
+      var.set_value(_place(arr, shard))
+      del arr
   return nnx.merge(graphdef, state)
+
+
+def _place_stacked(layer, shape: tuple, dtype, sharding):
+  """A stacked parameter [n, ...] from ``layer(j)`` host arrays, read one layer at a time: each
+  goes into the slices of it that this process's devices hold (or into one host buffer without a
+  mesh), then is dropped."""
+  if sharding is None:
+    out = np.empty(shape, dtype)
+    for j in range(shape[0]):
+      out[j] = layer(j)
+    return jnp.asarray(out)
+  index = sharding.addressable_devices_indices_map(shape)
+  span = lambda s, n: range(*s.indices(n))
+  bufs = {d: np.empty(tuple(len(span(s, n)) for s, n in zip(idx, shape)), dtype)
+          for d, idx in index.items()}
+  for j in range(shape[0]):
+    arr = layer(j)
+    for d, idx in index.items():
+      rows = span(idx[0], shape[0])
+      if j in rows:
+        bufs[d][rows.index(j)] = arr[idx[1:]]
+    del arr
+  return jax.make_array_from_single_device_arrays(
+      shape, sharding, [jax.device_put(b, d) for d, b in bufs.items()])
 
 
 def _host_array(x: jax.Array) -> np.ndarray:
@@ -189,14 +227,16 @@ def save_pretrained(model: Transformer, path: str, max_shard_bytes: int = DEFAUL
   writer = ShardedWriter(path, max_shard_bytes) if jax.process_index() == 0 else None
   copies = mtp_copies(cfg)
   for p, var in _flat(nnx.state(model)):
-    value = _host_array(var.get_value())
-    if writer is None:
-      continue
-    for name, arr in dump_leaf(leaf_map(p, cfg), value):
-      writer.add(name, arr)
-      for copy, source in copies.items():
-        if source == name:
-          writer.add(copy, arr)
+    maps, stacked = layer_maps(p, cfg)
+    for j, m in enumerate(maps):  # a stacked parameter one layer at a time
+      value = _host_array(var.get_value()[j] if stacked else var.get_value())
+      if writer is None:
+        continue
+      for name, arr in dump_leaf(m, value):
+        writer.add(name, arr)
+        for copy, source in copies.items():
+          if source == name:
+            writer.add(copy, arr)
   if writer is not None:
     writer.finish()
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -202,7 +202,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str = "deepseek_v3") -> dict:
 def hf_fields_equal(a: ModelConfig, b: ModelConfig) -> bool:
   """Whether two configs agree on everything a config.json can express."""
   skip = {"seq_aux_loss_coef", "bias_update_rate", "gmm_impl", "gmm_precision", "mtp_loss_weight",
-          "remat"}
+          "remat", "scan_layers"}
   if a.yarn_factor == b.yarn_factor == 1.0:  # the other YaRN fields are inert then
     skip |= {f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("yarn_")}
   return all(getattr(a, f.name) == getattr(b, f.name) for f in dataclasses.fields(ModelConfig)

@@ -8,6 +8,10 @@ Three kinds of leaf:
   expert (the released per-expert layout), or, when transformers wrote its in-memory fused layout,
   ``mlp.experts.gate_up_proj[E, 2*f, d]`` (gate rows first) / ``mlp.experts.down_proj[E, d, f]``.
 
+A stacked parameter of ``model.scan_layers`` (``moe_layers/...``, a leading layer axis) is the
+stack of the per-layer parameters ``layers/{n_dense + j}/...``: ``layer_maps`` gives one LeafMap per
+layer, so the HF side never sees the difference.
+
 MTP depth k (0-based) is stored as DeepSeek-V3 does, as an extra decoder layer
 ``model.layers.{n_layers + k}`` with ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and
 copies of the shared embedding and head (written on save, ignored on load).
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from composer_jax.config import ModelConfig
+from composer_jax.model.scan import layer_paths
 
 # Our path inside a block -> (HF suffix inside model.layers.N, kind).
 BLOCK = {
@@ -90,6 +95,12 @@ def leaf_map(path: tuple, cfg: ModelConfig) -> LeafMap:
   if kind == "experts":
     return LeafMap(path, prefix + "mlp.experts", kind, suffix)
   return LeafMap(path, prefix + suffix, kind)
+
+
+def layer_maps(path: tuple, cfg: ModelConfig) -> tuple[list[LeafMap], bool]:
+  """(one LeafMap per layer the parameter holds, whether it is stacked on a leading layer axis)."""
+  paths = layer_paths(path, cfg.n_dense_layers, cfg.n_moe_layers)
+  return [leaf_map(p, cfg) for p in paths], paths[0] != tuple(path)
 
 
 def mtp_copies(cfg: ModelConfig) -> dict[str, str]:

@@ -59,7 +59,7 @@ def count_params(cfg: Config | ModelConfig) -> dict:
   state = nnx.state(model)
   total = sum(int(np.prod(v.shape)) for v in jax.tree.leaves(state, is_leaf=_is_var))
   per_expert = 3 * mcfg.d_model * mcfg.moe_ffn_dim
-  n_moe_blocks = len(model.moe_modules())
+  n_moe_blocks = sum(n or 1 for _, n in model.moe_groups())  # a stack of n counts n
   inactive = n_moe_blocks * (mcfg.n_routed_experts - mcfg.n_experts_per_tok) * per_expert
   embed = mcfg.vocab_size * mcfg.d_model
   return {"total": total, "active": total - inactive,

@@ -11,6 +11,11 @@ index[b] .. index[b] + n_new[b] - 1 and advances by n_new[b]. Padding tokens are
 
 ``view`` (static) bounds what attention reads: the first ``view`` slots of the buffer, a bucket
 >= the longest filled row, so a decode step costs the filled length, not ``max_len``.
+
+With ``model.scan_layers`` the MoE layers' caches are ONE stacked entry (buffers [n_moe, b, T, .],
+one shared ``index`` [b]) after the dense lead layers' entries: the scanned decode carries the whole
+stack and each layer writes and reads its slice in place (``layer`` set inside the scan), so a step
+still costs the view, not a copy of the stack.
 """
 
 from __future__ import annotations
@@ -28,14 +33,24 @@ MIN_BUCKET = 16
 
 @struct.dataclass
 class LayerCache:
-  c: jax.Array  # [b, T, kv_lora_rank] normalised latent
-  k_pe: jax.Array  # [b, T, qk_rope_dim] rotated shared key
+  c: jax.Array  # [b, T, kv_lora_rank] normalised latent ([L, b, T, r] when stacked)
+  k_pe: jax.Array  # [b, T, qk_rope_dim] rotated shared key ([L, b, T, rope] when stacked)
   index: jax.Array  # [b] tokens written so far
   view: int = struct.field(pytree_node=False, default=0)  # slots attention reads (0 = all T)
+  layer: jax.Array | None = None  # stacked buffers: the layer this view writes and reads (scan)
 
   @property
   def max_len(self) -> int:
-    return self.c.shape[1]
+    return self.c.shape[-2]
+
+  def read(self) -> tuple[jax.Array, jax.Array]:
+    """(latent [b, view, r], rope key [b, view, rope]) of this layer: the slots attention reads."""
+    view = self.view or self.max_len
+    if self.layer is None:
+      return self.c[:, :view], self.k_pe[:, :view]
+    # one dynamic slice of the view, never the layer's whole buffer
+    sl = lambda a: jax.lax.dynamic_slice(a, (self.layer, 0, 0, 0), (1, a.shape[1], view, a.shape[3]))[0]
+    return sl(self.c), sl(self.k_pe)
 
   def write(self, c_new: jax.Array, kpe_new: jax.Array, n_new: jax.Array | None = None) -> LayerCache:
     """Write the first ``n_new[b]`` of the s new entries of each row at ``index[b]`` (all s if None).
@@ -48,14 +63,17 @@ class LayerCache:
     j = jnp.arange(s, dtype=jnp.int32)[None]
     pos = jnp.where(j < n_new[:, None], self.index[:, None] + j, self.max_len)  # T = dropped
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, s))
-    c = self.c.at[rows, pos].set(c_new.astype(self.c.dtype), mode="drop")
-    k_pe = self.k_pe.at[rows, pos].set(kpe_new.astype(self.k_pe.dtype), mode="drop")
+    at = (rows, pos) if self.layer is None else (self.layer, rows, pos)
+    c = self.c.at[at].set(c_new.astype(self.c.dtype), mode="drop")
+    k_pe = self.k_pe.at[at].set(kpe_new.astype(self.k_pe.dtype), mode="drop")
     return self.replace(c=c, k_pe=k_pe, index=self.index + n_new)
 
 
 @struct.dataclass
 class Cache:
-  layers: tuple  # one LayerCache per transformer layer (MTP depths are not cached)
+  # one LayerCache per transformer layer (MTP depths are not cached); with model.scan_layers one per
+  # dense lead layer, then one stacked LayerCache for all MoE layers
+  layers: tuple
 
   @property
   def index(self) -> jax.Array:
@@ -79,10 +97,12 @@ class Cache:
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
   dtype = dtype or dtype_of(cfg.compute_dtype)
-  def one():
-    return LayerCache(c=jnp.zeros((batch, max_len, cfg.kv_lora_rank), dtype),
-                      k_pe=jnp.zeros((batch, max_len, cfg.qk_rope_dim), dtype),
+  def one(*stack):
+    return LayerCache(c=jnp.zeros((*stack, batch, max_len, cfg.kv_lora_rank), dtype),
+                      k_pe=jnp.zeros((*stack, batch, max_len, cfg.qk_rope_dim), dtype),
                       index=jnp.zeros((batch,), jnp.int32))
+  if cfg.scan_layers:
+    return Cache(layers=tuple(one() for _ in range(cfg.n_dense_layers)) + (one(cfg.n_moe_layers),))
   return Cache(layers=tuple(one() for _ in range(cfg.n_layers)))
 
 

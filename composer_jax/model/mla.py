@@ -123,7 +123,8 @@ class MLA(nnx.Module):
     w = self.kv_b.w[...].astype(q_nope.dtype)  # [r, h, nope + v]
     w_k, w_v = w[..., : cfg.qk_nope_dim], w[..., cfg.qk_nope_dim:]
     q_lat = jnp.einsum("bqhd,rhd->bqhr", q_nope, w_k)  # query in latent space
-    ckv, kpe = cache.c[:, :view].astype(q_lat.dtype), cache.k_pe[:, :view].astype(q_pe.dtype)
+    ckv, kpe = cache.read()
+    ckv, kpe = ckv.astype(q_lat.dtype), kpe.astype(q_pe.dtype)
     scores = (jnp.einsum("bqhr,bkr->bhqk", q_lat, ckv, preferred_element_type=jnp.float32)
               + jnp.einsum("bqhd,bkd->bhqk", q_pe, kpe, preferred_element_type=jnp.float32))
     q_idx = start[:, None] + jnp.arange(s)[None]  # positions of the new tokens

@@ -1,4 +1,8 @@
-"""The decoder: embedding, dense-then-MoE blocks, final norm, head, optional MTP depths."""
+"""The decoder: embedding, dense-then-MoE blocks, final norm, head, optional MTP depths.
+
+With ``model.scan_layers`` the MoE blocks are one stacked module (``moe_layers``, see
+``model/scan.py``) run by a scan; ``layers`` then holds only the dense lead blocks.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,19 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from composer_jax.config import ModelConfig
-from composer_jax.model.cache import Cache, LayerCache, check_room
-from composer_jax.model.layers import KeySeq, MLP, Linear, RMSNorm, dtype_of, param, rope_cos_sin
+from composer_jax.model.cache import Cache, check_room
+from composer_jax.model.layers import (
+  MLP,
+  KeySeq,
+  Linear,
+  RMSNorm,
+  dtype_of,
+  param,
+  rope_cos_sin,
+)
 from composer_jax.model.mla import MLA
-from composer_jax.model.moe import MoE
+from composer_jax.model.moe import MoE, MoEStats
+from composer_jax.model.scan import STACK, remat_block, scan_blocks, stack_modules
 from composer_jax.parallel.rules import constrain
 
 REMAT_POLICIES = {
@@ -32,6 +45,11 @@ class ModelOutput:
   live_routing: jax.Array | None = None  # [n_moe_layers, b, s, k] the router's own choice (replay)
   cache: Any = None  # updated Cache when decoding
   hidden: jax.Array | None = None  # final hidden state before the output norm
+
+
+def _stack_stats(stats: list[MoEStats]) -> MoEStats | None:
+  """Per-layer MoEStats -> one MoEStats with every field stacked on a leading layer axis."""
+  return jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None
 
 
 class Block(nnx.Module):
@@ -80,8 +98,12 @@ class Transformer(nnx.Module):
       rngs = KeySeq(rngs.params())
     pd = dtype_of(cfg.param_dtype)
     self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), pd, std=cfg.init_std)
+    n_loop = cfg.n_dense_layers if cfg.scan_layers else cfg.n_layers
     self.layers = nnx.List([Block(cfg, moe=i >= cfg.n_dense_layers, rngs=rngs)
-                            for i in range(cfg.n_layers)])
+                            for i in range(n_loop)])
+    if cfg.scan_layers:
+      setattr(self, STACK, stack_modules(lambda r: Block(cfg, moe=True, rngs=r), cfg.n_moe_layers,
+                                         rngs()))
     self.norm = RMSNorm(cfg.d_model, cfg)
     if not cfg.tie_embeddings:
       self.head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), pd, std=cfg.init_std)
@@ -98,18 +120,31 @@ class Transformer(nnx.Module):
     out = jnp.einsum("bsd,dv->bsv", h, w.astype(h.dtype))
     return constrain(out, ("act_batch", "act_seq", "act_vocab"))
 
+  def block_groups(self) -> list[tuple[Block, int]]:
+    """Every block in forward order (main stack, then MTP depths) as (block, rows): rows = 0 for
+    a module of one layer, n for the stacked module of n layers (variables [n, ...])."""
+    groups = [(b, 0) for b in self.layers]
+    if self.cfg.scan_layers:
+      groups.append((getattr(self, STACK), self.cfg.n_moe_layers))
+    return groups + [(d.block, 0) for d in self.mtp]
+
   def moe_modules(self) -> list[MoE]:
-    blocks = list(self.layers) + [d.block for d in self.mtp]
-    return [b.mlp for b in blocks if b.is_moe]
+    """The MoE modules in forward order; under scan_layers one of them is the stack (its router
+    bias [n_moe_layers, E]): ``moe_groups`` gives the row counts."""
+    return [m for m, _ in self.moe_groups()]
+
+  def moe_groups(self) -> list[tuple[MoE, int]]:
+    return [(b.mlp, n) for b, n in self.block_groups() if b.is_moe]
+
+  def attention_groups(self) -> list[tuple[MLA, int]]:
+    return [(b.attn, n) for b, n in self.block_groups()]
 
   def _run_block(self, block, x, cos, sin, seg, cache, replay):
     if self.cfg.remat == "none" or cache is not None:
       return block(x, cos, sin, seg, cache, replay)
     if self.cfg.remat == "moe_only" and not block.is_moe:
       return block(x, cos, sin, seg, cache, replay)
-    policy = REMAT_POLICIES.get(self.cfg.remat)
-    fn = nnx.remat(lambda b, *a: b(*a), policy=policy)
-    return fn(block, x, cos, sin, seg, None, replay)
+    return remat_block(block, REMAT_POLICIES.get(self.cfg.remat), x, cos, sin, seg, replay)
 
   # -- forward ------------------------------------------------------------------------------------
 
@@ -135,6 +170,11 @@ class Transformer(nnx.Module):
       positions = start + jnp.arange(s, dtype=jnp.int32)[None]
     cos, sin = rope_cos_sin(positions, cfg)
     x = self.embed_tokens(tokens)
+    n_loop = len(self.layers)
+    if cache is not None and len(cache.layers) != n_loop + cfg.scan_layers:
+      raise ValueError(f"the cache has {len(cache.layers)} layer entries, this model (model.scan_layers="
+                       f"{str(cfg.scan_layers).lower()}) needs {n_loop + cfg.scan_layers}: build it "
+                       "with init_cache(model.cfg, ...)")
     new_layers, stats, moe_i = [], [], 0
     for i, block in enumerate(self.layers):
       layer_cache = cache.layers[i] if cache is not None else None
@@ -146,27 +186,35 @@ class Transformer(nnx.Module):
       if st is not None:
         stats.append(st)
         moe_i += 1
+    main = _stack_stats(stats)  # [n_moe_layers, ...] per field
+    if cfg.scan_layers:  # the loop above ran only the dense lead layers
+      x, main, stack_cache, top = scan_blocks(
+          getattr(self, STACK), cfg.n_moe_layers, x, cos, sin, segment_ids,
+          cache=cache.layers[n_loop] if cache is not None else None, replay=routed_experts,
+          remat=cfg.remat != "none", policy=REMAT_POLICIES.get(cfg.remat))
+      new_layers.append(stack_cache)
+      if top is not None:  # where pop_max_logits finds it: [n_moe_layers, heads]
+        getattr(self, STACK).attn.sow(nnx.Intermediate, "max_logit", top)
     hidden = x
     if logit_positions is not None:
       x = jnp.take_along_axis(x, jnp.asarray(logit_positions, jnp.int32)[:, None, None], axis=1)
     logits = self.logits(self.norm(x))
-    mtp_logits, h = [], hidden
+    mtp_logits, h, mtp_stats = [], hidden, []
     if mtp and cache is None:
       for k, depth in enumerate(self.mtp, start=1):
         ahead = jnp.pad(tokens[:, k:], ((0, 0), (0, k)))
         h, st = depth(h, self.embed_tokens(ahead), cos, sin, segment_ids)
         mtp_logits.append(self.logits(depth.norm(h)))
         if st is not None:
-          stats.append(st)
-    loads = jnp.stack([st.load for st in stats]) if stats else None
-    aux = sum((st.aux_loss for st in stats), jnp.zeros((), jnp.float32))
-    routing = None
-    if return_routing and stats:
-      routing = jnp.stack([st.expert_ids for st in stats[: cfg.n_moe_layers]])
+          mtp_stats.append(st)
+    loads = [main.load] if main is not None else []
+    loads = jnp.concatenate(loads + [st.load[None] for st in mtp_stats]) if loads or mtp_stats else None
+    aux = sum((st.aux_loss for st in mtp_stats),
+              jnp.zeros((), jnp.float32) + (main.aux_loss.sum() if main is not None else 0.0))
+    routing = main.expert_ids if return_routing and main is not None else None
     live = None
-    if return_live_routing and stats:
-      main = stats[: cfg.n_moe_layers]
-      live = jnp.stack([st.expert_ids if st.live_ids is None else st.live_ids for st in main])
+    if return_live_routing and main is not None:
+      live = main.expert_ids if main.live_ids is None else main.live_ids
     return ModelOutput(logits=logits, mtp_logits=tuple(mtp_logits), router_loads=loads,
                        aux_loss=aux, routed_experts=routing, live_routing=live,
                        cache=Cache(tuple(new_layers)) if cache is not None else None,

@@ -40,6 +40,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "exp_mlp": ("tensor",),
     "norm": (),
     "embed_in": (),  # the 2*d input of the MTP projection
+    "layers": (),  # the leading axis of stacked (scanned) layers: each layer's weights on every device
     # Activations.
     "act_batch": ("data", "fsdp", "expert"),
     "act_seq": ("context",),

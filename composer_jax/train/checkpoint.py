@@ -71,6 +71,19 @@ def config_diff(saved: dict | None, current: dict | None, limit: int = 4) -> str
   return "; ".join(diffs[:limit]) + more
 
 
+def layout_mismatch(there: Any, here: Any) -> str | None:
+  """One line when two sets of leaf keys differ in ``model.scan_layers`` (stacked ``moe_layers.*``
+  parameters against per-layer ``layers.N.*`` ones): no array of one fits the other."""
+  from composer_jax.model.scan import STACK
+  a, b = (any(STACK in k.split(".") for k in keys) for keys in (there, here))
+  if a == b:
+    return None
+  flag = lambda x: "true" if x else "false"
+  return (f"it was written with model.scan_layers={flag(a)} (MoE layers "
+          f"{'stacked' if a else 'one module each'}) and this run has model.scan_layers={flag(b)}; "
+          f"set model.scan_layers={flag(a)} to load it")
+
+
 def _abstract(tree: Any) -> Any:
   """ShapeDtypeStructs (keeping shardings) for concrete arrays; abstract leaves pass through."""
   def one(x):
@@ -126,6 +139,10 @@ class Checkpointer:
     for name, target in targets.items():
       tree = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / name)
       there, here = _leaves(tree.tree), _leaves(_abstract(target))
+      layout = layout_mismatch(there, here)
+      if layout:
+        raise IncompatibleCheckpoint(f"checkpoint step {step} in {self.directory} does not fit "
+                                     f"this run: {layout}")
       problem = None
       for k in sorted(set(there) | set(here)):
         if k not in there or k not in here:

@@ -48,6 +48,9 @@ def model_section(path: str, kind: str) -> dict | None:
 
 
 def _check_shapes(what: str, there: dict, here: dict) -> None:
+  from composer_jax.train.checkpoint import layout_mismatch
+  if layout := layout_mismatch(there, here):
+    raise ConfigError(f"--init {what}: {layout}")
   for k in sorted(set(there) | set(here)):
     if k not in there or k not in here or there[k][0] != here[k][0]:
       got = f"{list(there[k][0])}" if k in there else "absent"

@@ -82,22 +82,26 @@ def build_optimizer(cfg: OptimConfig, total_steps: int, params: Any,
   (None = unknown: every >=2-D weight counts as a matrix).
   """
   lr = schedule(cfg, total_steps)
-  # Decay matrices, never norms, biases or other vectors.
-  decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  if axes is None:
+    axis_leaves = [None] * len(leaves)
+  elif isinstance(axes, list):
+    axis_leaves = axes
+  else:
+    axis_leaves = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple) or x is None)
+  if len(axis_leaves) != len(leaves):
+    raise ValueError(f"{len(axis_leaves)} axes entries for {len(leaves)} parameters")
+  # Decay matrices, never norms, biases or other vectors: a leading "layers" axis (stacked layers
+  # of model.scan_layers) does not make a norm scale a matrix.
+  decay = {_path_key(p): x.ndim - int(bool(a) and a[0] == "layers") >= 2
+           for (p, x), a in zip(leaves, axis_leaves)}
+  decay_mask = lambda p: jax.tree_util.tree_map_with_path(
+      lambda path, x: decay.get(_path_key(path), x.ndim >= 2), p)
   adamw = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
                       mask=decay_mask)
   if cfg.name == "adamw":
     inner = adamw
   else:
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    if axes is None:
-      axis_leaves = [None] * len(leaves)
-    elif isinstance(axes, list):
-      axis_leaves = axes
-    else:
-      axis_leaves = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple) or x is None)
-    if len(axis_leaves) != len(leaves):
-      raise ValueError(f"{len(axis_leaves)} axes entries for {len(leaves)} parameters")
     dims = {_path_key(p): muon_dims(a, x.ndim) for (p, x), a in zip(leaves, axis_leaves)}
     labels = jax.tree_util.tree_map_with_path(
         lambda p, x: "muon" if dims[_path_key(p)] is not None else "adam", params)

@@ -54,16 +54,20 @@ def load_balance(loads: jax.Array | None) -> dict:
   return {"expert_max_violation": vio.mean()}
 
 
-def attention_modules(model) -> list:
-  """Every MLA module (main stack, then MTP depths), in a fixed order."""
-  return [b.attn for b in list(model.layers) + [d.block for d in model.mtp]]
-
-
 def pop_max_logits(model) -> jax.Array:
-  """[n_attention, heads] max attention logits recorded by the forward pass (then cleared)."""
-  rows = [jnp.max(jnp.stack(a.max_logit.get_value()), axis=0) for a in attention_modules(model)]
+  """[n_attention, heads] max attention logits recorded by the forward pass (then cleared), one row
+  per attention layer in forward order (a stacked module of n layers gives n rows)."""
+  rows = []
+  for attn, n in model.attention_groups():
+    top = jnp.max(jnp.stack(attn.max_logit.get_value()), axis=0)  # [heads], or [n, heads] stacked
+    rows.append(top if n else top[None])
   nnx.pop(model, nnx.Intermediate)
-  return jnp.stack(rows)
+  return jnp.concatenate(rows)
+
+
+def _head_scale(v: jax.Array) -> jax.Array:
+  """Per-head factors [..., heads] shaped to multiply a weight [..., in, heads, dim]."""
+  return v.reshape(v.shape[:-1] + (1, v.shape[-1], 1))
 
 
 def apply_qk_clip(model, max_logits: jax.Array, tau: float) -> None:
@@ -74,15 +78,31 @@ def apply_qk_clip(model, max_logits: jax.Array, tau: float) -> None:
   """
   cfg = model.cfg
   nope = cfg.qk_nope_dim
-  for attn, ml in zip(attention_modules(model), max_logits):
-    root, gamma = qk_clip_scales(ml, tau)  # [heads]
+  row = 0
+  for attn, n in model.attention_groups():
+    ml = max_logits[row: row + n] if n else max_logits[row]  # [heads], or [n, heads] stacked
+    row += n or 1
+    root, gamma = map(_head_scale, qk_clip_scales(ml, tau))
     q = attn.q_b if cfg.q_lora_rank else attn.q_proj
-    w = q.w[...]  # [in, heads, nope + rope]
+    w = q.w[...]  # [(n,) in, heads, nope + rope]
     col = jnp.arange(w.shape[-1]) < nope
-    q.w[...] = (w * jnp.where(col, root[:, None], gamma[:, None])).astype(w.dtype)
-    kv = attn.kv_b.w[...]  # [kv_lora, heads, nope + v]
+    q.w[...] = (w * jnp.where(col, root, gamma)).astype(w.dtype)
+    kv = attn.kv_b.w[...]  # [(n,) kv_lora, heads, nope + v]
     col = jnp.arange(kv.shape[-1]) < nope
-    attn.kv_b.w[...] = (kv * jnp.where(col, root[:, None], 1.0)).astype(kv.dtype)
+    attn.kv_b.w[...] = (kv * jnp.where(col, root, 1.0)).astype(kv.dtype)
+
+
+def update_router_biases(model, loads: jax.Array, rate: float) -> None:
+  """The aux-loss-free bias step of every MoE layer, in place, from ``loads`` [n_moe_blocks, E]
+  (forward order; a stacked module of n layers takes n rows, each layer its own)."""
+  row = 0
+  for moe, n in model.moe_groups():
+    if n:
+      step = jax.vmap(update_router_bias, in_axes=(0, 0, None))
+      moe.router_bias[...] = step(moe.router_bias[...], loads[row: row + n], rate)
+    else:
+      moe.router_bias[...] = update_router_bias(moe.router_bias[...], loads[row], rate)
+    row += n or 1
 
 
 def _micro_batches(batch: dict, n: int) -> dict:
@@ -172,9 +192,7 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
       params = clipped
     if bool(loads.size) and mcfg.bias_update_rate > 0:
       model = nnx.merge(graphdef, params, rest)
-      for i, moe in enumerate(model.moe_modules()):
-        moe.router_bias[...] = update_router_bias(moe.router_bias[...], loads[i],
-                                                  mcfg.bias_update_rate)
+      update_router_biases(model, loads, mcfg.bias_update_rate)
       rest = split_model(model)[2]
     rng = jax.random.split(jax.random.wrap_key_data(state["rng"]))[0]
     new_state = {"params": params, "rest": rest, "opt_state": opt_state,
