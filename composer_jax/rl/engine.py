@@ -64,20 +64,24 @@ def expert_dtype(n_experts: int):
   return np.int8 if n_experts <= 128 else np.int16
 
 
-_STEP_FNS: dict = {}  # (id(graphdef), id(mesh), sampling rule...) -> (graphdef, mesh, jitted call)
+_STEP_FNS: dict = {}  # (graphdef structure, id(mesh), sampling rule...) -> (mesh, jitted call)
 
 
 def _step_fn(graphdef, mesh, *rule):
-  """The jitted mixed call, shared by every engine of one graphdef, mesh and sampling rule (an
-  engine built again, e.g. per eval, reuses the compiled buckets). Keyed by identity: a GraphDef
-  holding the model config is not hashable; the mesh is in the key because the trace reads it."""
-  key = (id(graphdef), id(mesh)) + rule
+  """The jitted mixed call, shared by every engine of one model structure, mesh and sampling rule.
+
+  Keyed by the graphdef's repr (a GraphDef holding the model config is not hashable, and two loads
+  of one run give equal but distinct objects): every eval or RL engine of the same model in a
+  process reuses the compiled buckets. Keyed by id on the graphdef, each eval_run_dir recompiled
+  all of them (16 buckets, ~18 s on 2 CPU cores, more than the rollouts of a small eval).
+  """
+  key = (repr(graphdef), id(mesh)) + rule
   got = _STEP_FNS.get(key)
-  if got is None or got[0] is not graphdef or got[1] is not mesh:
+  if got is None or got[0] is not mesh:
     if len(_STEP_FNS) >= 16:
       _STEP_FNS.clear()
-    got = _STEP_FNS[key] = (graphdef, mesh, _make_step_fn(graphdef, *rule))
-  return got[2]
+    got = _STEP_FNS[key] = (mesh, _make_step_fn(graphdef, *rule))
+  return got[1]
 
 
 def _make_step_fn(graphdef, temperature: float, top_k: int, top_p: float, n_moe: int, k: int,

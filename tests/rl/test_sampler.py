@@ -152,3 +152,18 @@ def test_context_full_stops_the_turn(setup):
       [Request("x", list(range(1, 13)), 30, ())])[0].tokens for s in (1, 2)]
   np.testing.assert_array_equal(again[0], g.tokens)
   assert not np.array_equal(again[1], g.tokens)
+
+
+def test_engines_of_one_model_share_the_compiled_call(setup):
+  """Two loads of one run give equal but distinct graphdefs: their engines share one jitted call
+  (and so its compiled buckets); another sampling rule or another model structure gets its own."""
+  cfg, model = setup
+  g1, params, rest = split_model(model)
+  g2 = split_model(build_model(cfg, seed=4))[0]
+  assert g1 is not g2
+  e1, e2 = (Engine(g, params, rest, cfg, n_slots=2, max_len=20) for g in (g1, g2))
+  assert e1._fn is e2._fn
+  assert Engine(g1, params, rest, _cfg(["rl.temperature=0.9"]), n_slots=2, max_len=20)._fn is not e1._fn
+  small = _cfg(["model.n_layers=2"])
+  g3, p3, r3 = split_model(build_model(small, seed=3))
+  assert Engine(g3, p3, r3, small, n_slots=2, max_len=20)._fn is not e1._fn
