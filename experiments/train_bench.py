@@ -162,7 +162,7 @@ def main() -> int:
     result["hf_deepseek_v3"] = hf
     result["speedup_vs_hf"] = ours["tokens_per_s"] / hf["tokens_per_s"]
     print(f"HF DeepseekV3 (torch CPU): {hf['tokens_per_s']:.0f} tok/s -> ours / HF = "
-          f"{result['speedup_vs_hf']:.2f}x (goal >= 1.5x)")
+          f"{result['speedup_vs_hf']:.2f}x (goal >= 1.05x, aiming for 1.2x)")
   if args.tiny_steps:
     tiny = tiny_learning(args.tiny_steps)
     result["tiny_learning"] = tiny
