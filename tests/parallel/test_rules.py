@@ -10,8 +10,8 @@ from flax import nnx
 from composer_jax.config import ConfigError, MeshConfig, load_config
 from composer_jax.model import build_model
 from composer_jax.parallel.mesh import build_mesh, resolve_axis_sizes
-from composer_jax.train.plan import format_plan, sharding_plan
 from composer_jax.parallel.rules import make_rules, spec_for
+from composer_jax.train.plan import format_plan, sharding_plan
 
 
 def _one_line(excinfo):
