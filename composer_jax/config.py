@@ -496,6 +496,7 @@ def from_dict(data: dict) -> Config:
   cfg = _build(Config, data, "")
   if cfg.rl.max_context == 0:
     cfg.rl.max_context = cfg.model.max_seq_len
+  from composer_jax.config_check import validate  # it imports this module's classes
   validate(cfg)
   return cfg
 
@@ -510,134 +511,7 @@ def dump_config(cfg: Config, path: str) -> None:
     yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
 
 
-# --------------------------------------------------------------------------------------------------
-# Validation: impossible combinations, one line each
-# --------------------------------------------------------------------------------------------------
-
-
-def _require(cond: bool, msg: str) -> None:
-  if not cond:
-    raise ConfigError(msg)
-
-
 def validate(cfg: Config) -> None:
-  m = cfg.model
-  for name in ("vocab_size", "d_model", "n_layers", "n_heads", "kv_lora_rank", "qk_nope_dim",
-               "qk_rope_dim", "v_head_dim", "max_seq_len", "dense_ffn_dim"):
-    _require(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be positive")
-  _require(m.q_lora_rank >= 0, "model.q_lora_rank must be >= 0 (0 = direct query projection)")
-  _require(0 <= m.n_dense_layers <= m.n_layers,
-           f"model.n_dense_layers={m.n_dense_layers} must be between 0 and model.n_layers={m.n_layers}")
-  _require(m.qk_rope_dim % 2 == 0, f"model.qk_rope_dim={m.qk_rope_dim} must be even (RoPE rotates pairs)")
-  if m.n_moe_layers > 0:
-    _require(m.n_routed_experts > 0, "model.n_routed_experts must be positive when there are MoE layers")
-    _require(m.moe_ffn_dim > 0, "model.moe_ffn_dim must be positive")
-    _require(1 <= m.n_experts_per_tok <= m.n_routed_experts,
-             f"model.n_experts_per_tok={m.n_experts_per_tok} must be in 1..model.n_routed_experts"
-             f"={m.n_routed_experts}")
-    _require(m.n_group >= 1 and m.n_routed_experts % m.n_group == 0,
-             f"model.n_group={m.n_group} must divide model.n_routed_experts={m.n_routed_experts}")
-    _require(1 <= m.topk_group <= m.n_group,
-             f"model.topk_group={m.topk_group} must be in 1..model.n_group={m.n_group}")
-    per_group = m.n_routed_experts // m.n_group
-    _require(m.topk_group * per_group >= m.n_experts_per_tok,
-             f"model.topk_group={m.topk_group} groups of {per_group} experts cannot supply "
-             f"model.n_experts_per_tok={m.n_experts_per_tok}: raise topk_group or lower top-k")
-    if m.n_group > 1 and m.scoring == "sigmoid":
-      _require(per_group >= 2, "model.n_group: group-limited sigmoid routing scores a group by its "
-               "top-2 experts, so each group needs >= 2 experts; lower n_group")
-  block = {"fp8_block": 128, "mxfp8": 32, "nvfp4": 16}.get(m.gmm_precision)
-  if block and m.n_moe_layers > 0:
-    _require(m.d_model % block == 0 and m.moe_ffn_dim % block == 0,
-             f"model.gmm_precision={m.gmm_precision} quantizes blocks of {block}: model.d_model="
-             f"{m.d_model} and model.moe_ffn_dim={m.moe_ffn_dim} must both be multiples of {block}")
-  _require(m.yarn_factor >= 1.0, f"model.yarn_factor={m.yarn_factor} must be >= 1 (1 = plain RoPE)")
-  _require(m.mtp_depths >= 0, "model.mtp_depths must be >= 0")
-  _require(m.rms_eps > 0, "model.rms_eps must be positive")
-  _require(m.attention_block > 0, f"model.attention_block={m.attention_block} must be positive")
-  _require(not m.scan_layers or m.n_moe_layers > 0,
-           f"model.scan_layers=true scans the MoE layers, but model.n_layers={m.n_layers} are all dense "
-           f"(model.n_dense_layers={m.n_dense_layers}): set model.scan_layers=false")
-
-  d = cfg.data
-  _require(d.seq_len > 0 and d.batch_size > 0, "data.seq_len and data.batch_size must be positive")
-  _require(d.seq_len <= m.max_seq_len,
-           f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}: raise max_seq_len")
-  if d.weights:
-    _require(len(d.weights) == len(d.sources),
-             f"data.weights has {len(d.weights)} entries for {len(d.sources)} data.sources: give one each")
-  _require(0.0 <= d.heldout_fraction < 1.0, "data.heldout_fraction must be in [0, 1)")
-  _require(d.tokenizer_train_mb > 0, "data.tokenizer_train_mb must be positive (e.g. 8)")
-
-  mesh = cfg.mesh
-  sizes = {a: getattr(mesh, a) for a in ("data", "fsdp", "expert", "tensor", "context")}
-  for a, s in sizes.items():
-    _require(s == -1 or s >= 1, f"mesh.{a}={s} must be >= 1 or -1 (fill)")
-  _require(sum(1 for s in sizes.values() if s == -1) <= 1, "mesh: at most one axis may be -1 (fill)")
-  if m.n_moe_layers > 0 and mesh.expert > 1:
-    _require(m.n_routed_experts % mesh.expert == 0,
-             f"model.n_routed_experts={m.n_routed_experts} is not divisible by mesh.expert="
-             f"{mesh.expert}: choose an expert axis that divides the expert count")
-  if mesh.tensor > 1:
-    _require(m.n_heads % mesh.tensor == 0,
-             f"model.n_heads={m.n_heads} is not divisible by mesh.tensor={mesh.tensor}")
-  if mesh.context > 1:
-    _require(d.seq_len % (2 * mesh.context) == 0,
-             f"data.seq_len={d.seq_len} must be divisible by 2*mesh.context={2 * mesh.context} "
-             "(load-balanced causal context parallelism)")
-
-  o = cfg.optim
-  _require(o.lr > 0, "optim.lr must be positive")
-  _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1 and optim.b2 must be in [0, 1)")
-  _require(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
-  _require(o.qk_clip >= 0, f"optim.qk_clip={o.qk_clip} must be >= 0 (0 = off)")
-  _require(0 < o.decay_fraction <= 1, "optim.decay_fraction must be in (0, 1] (WSD decay share)")
-  t = cfg.train
-  _require(t.steps >= 0, "train.steps must be >= 0")
-  _require(t.grad_accum >= 1, "train.grad_accum must be >= 1")
-  _require(d.batch_size % t.grad_accum == 0,
-           f"data.batch_size={d.batch_size} must be divisible by train.grad_accum={t.grad_accum}")
-  _require(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
-  _require(cfg.rl.group_size >= 1, "rl.group_size must be >= 1")
-  r = cfg.rl
-  _require(0 <= r.ppo_clip_low < 1, f"rl.ppo_clip_low={r.ppo_clip_low} must be in [0, 1)")
-  _require(r.ppo_clip_high >= 0, f"rl.ppo_clip_high={r.ppo_clip_high} must be >= 0")
-  _require(r.is_clip > 1, f"rl.is_clip={r.is_clip} must be > 1 (the weight cap; 2 is the usual choice)")
-  for name in ("kl_coef", "length_penalty", "length_k", "length_q", "feedback_kl_coef", "max_hints",
-               "penalty_malformed_call", "penalty_unknown_tool", "penalty_repeated_command",
-               "penalty_no_call_turn", "length_w_reasoning", "length_w_tool_call",
-               "length_w_tool_output", "length_w_final", "length_w_calls", "length_w_turns"):
-    _require(getattr(r, name) >= 0, f"rl.{name}={getattr(r, name)} must be >= 0")
-  _require(r.length_ref > 0, f"rl.length_ref={r.length_ref} must be > 0 (the x where the penalty = coef)")
-  _require(0 <= r.penalty_cap < 1, f"rl.penalty_cap={r.penalty_cap} must be in [0, 1) so a resolved "
-           "episode always outscores an unresolved one")
-  _require(r.feedback_topk >= 0, f"rl.feedback_topk={r.feedback_topk} must be >= 0 (0 = full vocabulary)")
-  _require(r.feedback_topk < cfg.model.vocab_size, f"rl.feedback_topk={r.feedback_topk} must be < "
-           f"model.vocab_size={cfg.model.vocab_size} (use 0 for the full vocabulary)")
-  for name in ("steps", "max_summaries", "top_k", "summary_trigger_tokens"):
-    _require(getattr(r, name) >= 0, f"rl.{name}={getattr(r, name)} must be >= 0")
-  _require(r.max_staleness >= 0, f"rl.max_staleness={r.max_staleness} must be >= 0 (0 = on-policy)")
-  _require(r.full_sync_every >= 1, f"rl.full_sync_every={r.full_sync_every} must be >= 1")
-  for name in ("tasks_per_step", "minibatches", "decode_batch", "max_new_tokens", "num_workers"):
-    _require(getattr(r, name) >= 1, f"rl.{name}={getattr(r, name)} must be >= 1")
-  _require(r.temperature > 0, f"rl.temperature={r.temperature} must be > 0")
-  _require(0 < r.top_p <= 1, f"rl.top_p={r.top_p} must be in (0, 1] (1 = off)")
-  _require(r.max_context <= m.max_seq_len, f"rl.max_context={r.max_context} exceeds model.max_seq_len="
-           f"{m.max_seq_len}: raise model.max_seq_len or lower rl.max_context")
-  _require(r.summary_trigger_tokens < r.max_context, f"rl.summary_trigger_tokens="
-           f"{r.summary_trigger_tokens} must be below rl.max_context={r.max_context} (0 = off)")
-  e = cfg.env
-  for name in ("timeout_s", "grade_timeout_s", "memory_mb", "max_procs", "max_file_mb", "max_turns",
-               "workers", "max_output_chars"):
-    _require(getattr(e, name) > 0, f"env.{name}={getattr(e, name)} must be positive")
-  _require(0 < e.max_fail_fraction <= 1, f"env.max_fail_fraction={e.max_fail_fraction} must be in (0, 1]")
-  _require(cfg.eval.samples >= 1, f"eval.samples={cfg.eval.samples} must be >= 1")
-  u = cfg.run
-  for name in ("train_tasks", "heldout_tasks", "unseen_tasks", "eval_samples"):
-    _require(getattr(u, name) >= 1, f"run.{name}={getattr(u, name)} must be >= 1")
-  for name in ("pretrain_overrides", "sft_overrides", "rl_overrides", "eval_overrides"):
-    _require(all(isinstance(o, str) and "=" in o for o in getattr(u, name)),
-             f"run.{name} must be a list of 'section.key=value' strings")
-  _require(cfg.eval.workers >= 1, f"eval.workers={cfg.eval.workers} must be >= 1")
-  _require(all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in cfg.eval.k),
-           f"eval.k={cfg.eval.k} must be a list of positive integers, e.g. [1, 5]")
+  """See ``composer_jax.config_check`` (kept here so ``from composer_jax.config import validate`` works)."""
+  from composer_jax.config_check import validate as check
+  check(cfg)
