@@ -68,6 +68,10 @@ def register(subparsers) -> None:
   exp.add_argument("--out", required=True, help="JSONL file of {\"messages\": [...]} trajectories")
   exp.add_argument("--tokenizer", default=None, help="tokenizer.json: report exact token counts")
   exp.add_argument("--no-run-tests", action="store_true", help="skip the expert's test-run turn")
+  exp.add_argument("--flawed", type=int, default=0,
+                   help="also write N failing runs per task with one edit made wrong (marked "
+                        "\"flawed\": true): SFT data that leaves RL something to fix")
+  exp.add_argument("--seed", type=int, default=0, help="draws the flaws")
   _common(exp)
   exp.set_defaults(func=_tasks_expert)
 
@@ -119,7 +123,12 @@ def _sandbox_exec(args) -> int:
 def _tasks_generate(args) -> int:
   if args.synthetic is not None:
     return _tasks_generate_synthetic(args)
-  from composer_jax.env.generate import DEFAULT_CACHE, SourceError, fetch_sdist, generate
+  from composer_jax.env.generate import (
+    DEFAULT_CACHE,
+    SourceError,
+    fetch_sdist,
+    generate,
+  )
   if args.max < 1:
     raise ConfigError(f"--max {args.max} must be >= 1")
   if args.repo and not os.path.isdir(args.repo):
@@ -182,15 +191,18 @@ def _tasks_expert(args) -> int:
   if args.tokenizer:
     from composer_jax.data.tokenizer import load_tokenizer
     tok = load_tokenizer(args.tokenizer)
+  if args.flawed < 0:
+    raise ConfigError(f"--flawed {args.flawed}: give a count >= 0 of flawed runs per task")
   rep = expert_trajectories(tasks, args.out, tokenizer=tok, run_tests=not args.no_run_tests,
-                            tool_docs=env.tool_docs, mode=env.sandbox,
-                            log=lambda m: print(m, file=sys.stderr))
+                            tool_docs=env.tool_docs, mode=env.sandbox, flawed=args.flawed,
+                            seed=args.seed, log=lambda m: print(m, file=sys.stderr))
   stats = args.out + ".stats.json"
   with open(stats, "w") as f:
     json.dump(rep, f, indent=1)
   print(json.dumps({k: v for k, v in rep.items() if k != "trajectories"}, indent=1))
-  print(f"{rep['kept']}/{rep['tasks']} trajectories graded 1.0 -> {args.out} (per-trajectory stats: "
-        f"{stats})")
+  extra = f" and {rep['flawed']} flawed (failing) ones" if args.flawed else ""
+  print(f"{rep['kept']}/{rep['tasks']} trajectories graded 1.0{extra} -> {args.out} (per-trajectory "
+        f"stats: {stats})")
   return 0 if rep["kept"] else 1
 
 

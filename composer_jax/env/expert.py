@@ -6,6 +6,11 @@ as the file shows it, widened by neighbouring lines until it occurs once); then 
 with the terminal tool and submits. Every turn is tool calls only, in the same order for every
 task, so a small model can imitate it. ``expert_trajectories`` runs it through ``run_episode``
 (prompts, observations and grading are exactly the environment's) and keeps what grades 1.0.
+
+``flawed=N`` also writes N *flawed* runs per task: the same plan with one operator or constant of
+one edit changed (``flaw``), graded by the same grader and kept only when it fails. SFT on a mix of
+sound and flawed demonstrations gives a policy that makes the right edit only some of the time,
+which is what RL is for: the reward tells the two apart and nothing else does (docs/rl.md).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import random
+import re
 
 from composer_jax.env.episode import Turn, approx_tokens, run_episode
 from composer_jax.env.protocol import format_call
@@ -50,21 +57,57 @@ def replacements(before: str, after: str) -> list[tuple[str, str]]:
   return out
 
 
+_OPERATORS = ("+", "-", "*", "//", "%")
+_FLAW_SITE = re.compile(r"(?<= )(\+|-|\*|//|%)(?= )|\b\d+\b")
+
+
+def flaw(old: str, new: str, rng: random.Random) -> str | None:
+  """``new`` with one binary operator swapped for another or one integer constant moved by one,
+  never back to ``old``; None when ``new`` has no such site. The site is drawn by ``rng``."""
+  options = []
+  for m in _FLAW_SITE.finditer(new):
+    tok = m.group(0)
+    subs = [o for o in _OPERATORS if o != tok] if tok in _OPERATORS else [str(int(tok) + 1),
+                                                                           str(max(int(tok) - 1, 0))]
+    for sub in subs:
+      cand = new[:m.start()] + sub + new[m.end():]
+      if cand not in (old, new):
+        options.append(cand)
+  return rng.choice(options) if options else None
+
+
 class ExpertPolicy:
-  """Plans view → edit per file → run tests → submit from the task's gold files; open loop."""
+  """Plans view → edit per file → run tests → submit from the task's gold files; open loop.
+
+  With ``flaw_rng``, one of the edits is made wrong (``flaw``); everything else is the same plan."""
   name = "expert"
 
-  def __init__(self, run_tests: bool = True):
+  def __init__(self, run_tests: bool = True, flaw_rng: random.Random | None = None):
     self.run_tests = run_tests
+    self.flaw_rng = flaw_rng
     self.plan: list[str] = []
+    self.flawed = False
 
   def reset(self, task: Task) -> None:
     order = list((task.source or {}).get("edit_order") or sorted(task.gold_files))
     turns = []
+    plans = []
     for rel in order:
       before = read_text(os.path.join(task.workspace_dir, rel))
       after = read_text(os.path.join(task.gold_dir, rel))
-      edits = replacements(before, after)
+      plans.append((rel, replacements(before, after)))
+    self.flawed = False
+    if self.flaw_rng is not None:
+      sites = [(i, j) for i, (_, edits) in enumerate(plans) for j in range(len(edits))]
+      self.flaw_rng.shuffle(sites)
+      for i, j in sites:
+        old, new = plans[i][1][j]
+        bad = flaw(old, new, self.flaw_rng)
+        if bad is not None:
+          plans[i][1][j] = (old, bad)
+          self.flawed = True
+          break
+    for rel, edits in plans:
       turns.append(format_call("view", {"path": rel}))
       turns.append("\n".join(format_call("str_replace", {"path": rel, "old": old, "new": new})
                              for old, new in edits))
@@ -88,19 +131,23 @@ def count_tokens(messages: list[dict], tokenizer) -> dict:
 
 
 def expert_trajectories(tasks: list[Task], out_path: str, tokenizer=None, run_tests: bool = True,
-                        tool_docs: str = "full", mode: str = "auto", log=print) -> dict:
-  """Run the expert on ``tasks``; write the 1.0-graded trajectories as ``{"messages": ...}`` lines."""
-  policy = ExpertPolicy(run_tests)
-  stats, kept = [], 0
+                        tool_docs: str = "full", mode: str = "auto", flawed: int = 0, seed: int = 0,
+                        log=print) -> dict:
+  """Run the expert on ``tasks``; write the 1.0-graded trajectories as ``{"messages": ...}`` lines,
+  then ``flawed`` failing flawed runs per task (marked ``"flawed": true``, with their reward)."""
+  sound = ExpertPolicy(run_tests)
+  bad = ExpertPolicy(run_tests, flaw_rng=random.Random(seed))
+  stats, kept, kept_flawed = [], 0, 0
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
   with open(out_path, "w", encoding="utf-8") as f:
     for task in tasks:
       max_turns = int(task.limits.get("max_turns", 8)) + 4
-      traj = run_episode(task, policy, mode=mode, max_turns=max_turns, tool_docs=tool_docs)
       src = task.source or {}
-      st = {"instance_id": task.instance_id, "template": src.get("template", ""),
-            "difficulty": (task.difficulty or {}).get("level"), "reward": traj.reward,
-            "turns": traj.turns, "tool_calls": traj.tool_calls, "format_errors": traj.format_errors,
+      rec = {"instance_id": task.instance_id, "template": src.get("template", ""),
+             "difficulty": (task.difficulty or {}).get("level")}
+      traj = run_episode(task, sound, mode=mode, max_turns=max_turns, tool_docs=tool_docs)
+      st = {**rec, "reward": traj.reward, "turns": traj.turns, "tool_calls": traj.tool_calls,
+            "format_errors": traj.format_errors,
             "approx_tokens": sum(approx_tokens(m["content"]) for m in traj.messages),
             "grade_s": traj.grade.get("seconds"), "wall_s": traj.wall_s}
       if tokenizer is not None:
@@ -108,12 +155,23 @@ def expert_trajectories(tasks: list[Task], out_path: str, tokenizer=None, run_te
       stats.append(st)
       if traj.reward == 1.0:
         kept += 1
-        f.write(json.dumps({"messages": traj.messages, "instance_id": task.instance_id,
-                            "template": st["template"], "difficulty": st["difficulty"]}) + "\n")
+        f.write(json.dumps({"messages": traj.messages, **rec}) + "\n")
       else:
         log(f"expert failed {task.instance_id}: {json.dumps(traj.grade)[:300]}")
-  return {"tasks": len(tasks), "kept": kept, "out": out_path, "summary": summarize(stats),
-          "trajectories": stats}
+      for _ in range(flawed * 3):  # a flaw the tests miss is dropped and another drawn
+        if sum(1 for s in stats if s.get("flawed") and s["instance_id"] == task.instance_id) >= flawed:
+          break
+        traj = run_episode(task, bad, mode=mode, max_turns=max_turns, tool_docs=tool_docs)
+        if not bad.flawed:
+          break  # no edit has an operator or constant to change: that run was a sound one
+        if traj.reward < 1.0:
+          kept_flawed += 1
+          stats.append({**rec, "flawed": True, "reward": traj.reward, "turns": traj.turns})
+          f.write(json.dumps({"messages": traj.messages, **rec, "flawed": True,
+                              "reward": traj.reward}) + "\n")
+  sound_stats = [s for s in stats if not s.get("flawed")]
+  return {"tasks": len(tasks), "kept": kept, "flawed": kept_flawed, "out": out_path,
+          "summary": summarize(sound_stats), "trajectories": stats}
 
 
 def summarize(stats: list[dict]) -> dict:

@@ -18,7 +18,12 @@ from composer_jax.env.episode import (
   run_episode,
   system_prompt,
 )
-from composer_jax.env.expert import ExpertPolicy, expert_trajectories, replacements
+from composer_jax.env.expert import (
+  ExpertPolicy,
+  expert_trajectories,
+  flaw,
+  replacements,
+)
 from composer_jax.env.protocol import parse
 from composer_jax.env.synthetic import TEMPLATES
 from composer_jax.env.tools import SPECS
@@ -38,6 +43,33 @@ def test_replacements_are_exact_and_unique():
     text = text.replace(old, new)
   assert text == after
   assert replacements("x = 1\n", "y = 0\nx = 1\n") == [("x = 1", "y = 0\nx = 1")]
+
+
+def test_flaw_changes_one_site_and_never_back_to_the_old_text():
+  rng = random.Random(0)
+  seen = {flaw("    return x + 3", "    return x * 3", rng) for _ in range(200)}
+  # one operator (never "+", which is the bug itself) or the constant moved by one
+  assert seen == {"    return x - 3", "    return x // 3", "    return x % 3", "    return x * 4",
+                  "    return x * 2"}
+  assert flaw("a", "b = name", rng) is None  # nothing to change
+  assert flaw("x", "y = a-b", rng) is None  # "-" without spaces is not taken for an operator
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_flawed_runs_fail_and_differ_from_the_sound_run_in_one_edit(level_tasks, tmp_path, name):
+  d = TEMPLATES[name].levels[0]
+  out = tmp_path / "t.jsonl"
+  rep = expert_trajectories([level_tasks[(name, d)]], str(out), tool_docs="brief", flawed=2, seed=1,
+                            log=lambda m: None)
+  recs = [json.loads(line) for line in out.read_text().splitlines()]
+  assert rep["kept"] == 1 and not recs[0].get("flawed")
+  assert rep["flawed"] == len(recs) - 1 >= 1, "every template has an operator or constant to flaw"
+  sound = [m["content"] for m in recs[0]["messages"] if m["role"] == "assistant"]
+  for r in recs[1:]:
+    assert r["flawed"] and r["reward"] < 1.0
+    bad = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
+    assert len(bad) == len(sound) and sum(a != b for a, b in zip(bad, sound)) == 1
+  assert rep["summary"]["pass_rate"] == 1.0  # the summary is of the sound runs
 
 
 @pytest.fixture(scope="module")
