@@ -496,7 +496,6 @@ def from_dict(data: dict) -> Config:
   cfg = _build(Config, data, "")
   if cfg.rl.max_context == 0:
     cfg.rl.max_context = cfg.model.max_seq_len
-  from composer_jax.config_check import validate  # it imports this module's classes
   validate(cfg)
   return cfg
 
@@ -512,6 +511,6 @@ def dump_config(cfg: Config, path: str) -> None:
 
 
 def validate(cfg: Config) -> None:
-  """See ``composer_jax.config_check`` (kept here so ``from composer_jax.config import validate`` works)."""
+  """The checks of ``composer_jax.config_check`` (imported here: that module imports this one's classes)."""
   from composer_jax.config_check import validate as check
   check(cfg)

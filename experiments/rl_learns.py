@@ -43,13 +43,13 @@ def _cli(*argv: str) -> None:
 
 def sequence_logps(run_dir: str, traj_path: str) -> list[dict]:
   """Teacher-forced log p of each trajectory's assistant tokens under a run's newest checkpoint."""
-  import jax
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
 
   from composer_jax.data import chat
   from composer_jax.rl.loop import load_policy
+  from composer_jax.rl.losses import token_logprobs
   _, tok, graphdef, params, rest = load_policy(run_dir)
   model = nnx.merge(graphdef, params, rest)
   out = []
@@ -57,10 +57,10 @@ def sequence_logps(run_dir: str, traj_path: str) -> list[dict]:
     recs = [json.loads(line) for line in f]
   for rec in recs:
     ids, mask = chat.encode_segments(rec["messages"], tok)
-    logits = model(jnp.asarray([ids]), mtp=False).logits[0, :-1].astype(jnp.float32)
-    lp = np.asarray(jax.nn.log_softmax(logits))[np.arange(len(ids) - 1), ids[1:]]
+    tokens = jnp.asarray([ids])
+    lp = np.asarray(token_logprobs(model(tokens, mtp=False).logits, tokens))[0]  # target-aligned
     out.append({"instance_id": rec["instance_id"], "flawed": bool(rec.get("flawed")),
-                "logp": float((lp * np.asarray(mask[1:])).sum())})
+                "logp": float((lp * np.asarray(mask)).sum())})
   return out
 
 

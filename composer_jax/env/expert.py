@@ -158,13 +158,15 @@ def expert_trajectories(tasks: list[Task], out_path: str, tokenizer=None, run_te
         f.write(json.dumps({"messages": traj.messages, **rec}) + "\n")
       else:
         log(f"expert failed {task.instance_id}: {json.dumps(traj.grade)[:300]}")
+      mine = 0  # flawed runs kept for this task
       for _ in range(flawed * 3):  # a flaw the tests miss is dropped and another drawn
-        if sum(1 for s in stats if s.get("flawed") and s["instance_id"] == task.instance_id) >= flawed:
+        if mine >= flawed:
           break
         traj = run_episode(task, bad, mode=mode, max_turns=max_turns, tool_docs=tool_docs)
         if not bad.flawed:
           break  # no edit has an operator or constant to change: that run was a sound one
         if traj.reward < 1.0:
+          mine += 1
           kept_flawed += 1
           stats.append({**rec, "flawed": True, "reward": traj.reward, "turns": traj.turns})
           f.write(json.dumps({"messages": traj.messages, **rec, "flawed": True,
