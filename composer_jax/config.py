@@ -154,6 +154,9 @@ class TrainConfig:
   seed: int = 0
   grad_accum: int = 1
   z_loss: float = 0.0
+  # Positions per chunk of the training loss's head + next-token CE (model/loss.py,
+  # chunked_head_ce): the [batch, seq, vocab] logits are never made whole. 0 = whole logits.
+  loss_chunk: int = 64
   log_every: int = 1
   eval_every: int = 0  # 0 = only at the end
   eval_batches: int = 4

@@ -117,10 +117,19 @@ def lm_loss_fn(model, batch: dict, cfg: Config):
   is the count the loss averages over (it weighs micro-batches under gradient accumulation) and
   ``out.router_loads`` feeds the aux-loss-free router-bias update.
   """
-  out = model(batch["tokens"], batch["segment_ids"], batch["positions"])
+  chunk = cfg.train.loss_chunk
+  out = model(batch["tokens"], batch["segment_ids"], batch["positions"], return_hidden=chunk > 0)
+  head = None
+  if chunk > 0:  # the loss makes the logits chunk by chunk; XLA drops the unused out.logits
+    head = (model.norm(out.hidden), head_weight(model))
   loss, metrics = lm_loss(out, batch["tokens"], batch["loss_mask"], cfg.model, batch["segment_ids"],
-                          z_loss=cfg.train.z_loss)
+                          z_loss=cfg.train.z_loss, head=head, chunk=chunk)
   return loss, metrics, out
+
+
+def head_weight(model) -> jax.Array:
+  """The output head [d, vocab] as ``Transformer.logits`` multiplies it (the embedding when tied)."""
+  return model.embed[...].T if model.cfg.tie_embeddings else model.head[...]
 
 
 def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
