@@ -180,7 +180,7 @@ class RLConfig:
   seed: int = 0
   tasks: str = ""  # folder of training task directories (`tasks generate --synthetic ... --out`)
   eval_tasks: str = ""  # held-out task folder, evaluated at the end ("" = none)
-  async_: bool = False  # YAML/override key `rl.async`: Ray rollout workers (rl/async_loop.py)
+  async_: bool = True  # YAML/override key `rl.async`: Ray rollout workers (rl/async_loop.py); false = sync loop
   max_staleness: int = 1  # versions a trajectory may lag the learner when trained on (older: re-sampled)
   num_workers: int = 1  # Ray rollout actors (1 CPU each)
   ray_address: str = ""  # "" = start Ray locally; else join this cluster (e.g. "auto", "ray://h:10001")

@@ -112,6 +112,8 @@ def validate(cfg: Config) -> None:
     _require(getattr(r, name) >= 1, f"rl.{name}={getattr(r, name)} must be >= 1")
   _require(r.temperature > 0, f"rl.temperature={r.temperature} must be > 0")
   _require(0 < r.top_p <= 1, f"rl.top_p={r.top_p} must be in (0, 1] (1 = off)")
+  _require(not r.speculative_mtp or m.mtp_depths >= 1, "rl.speculative_mtp=true drafts with the MTP "
+           "head, but model.mtp_depths=0: set model.mtp_depths >= 1 or rl.speculative_mtp=false")
   _require(r.max_context <= m.max_seq_len, f"rl.max_context={r.max_context} exceeds model.max_seq_len="
            f"{m.max_seq_len}: raise model.max_seq_len or lower rl.max_context")
   _require(r.summary_trigger_tokens < r.max_context, f"rl.summary_trigger_tokens="

@@ -72,18 +72,17 @@ def decision_gaps(logps: list[dict]) -> dict[str, float]:
   return {k: v["sound"] - v["flawed"] for k, v in by.items() if len(v) == 2}
 
 
-def run_pipeline(root: str, *, tasks: int = 2, seed: int = 1, sft_steps: int = 150,
-                 rl_steps: int = 8, group_size: int = 8, lr: float = 1e-4, top_p: float = 0.9,
-                 eval_samples: int = 16, log=print) -> dict:
-  t0 = time.perf_counter()
+def sft_policy(root: str, wall: dict, *, tasks: int = 2, seed: int = 1, sft_steps: int = 150,
+               flawed: int = 1, tag: str = "rl_learns", log=print) -> None:
+  """Stages 1-3 into ``root``: init/, tasks/ (fix_bug level 1), trajectories.jsonl, sft/; the wall
+  time of each goes into ``wall``."""
   p = lambda *a: os.path.join(root, *a)
-  wall = {}
 
   def stage(name, *argv):
     t = time.perf_counter()
     _cli(*argv)
     wall[name] = round(time.perf_counter() - t, 1)
-    log(f"[rl_learns] {name}: {wall[name]} s")
+    log(f"[{tag}] {name}: {wall[name]} s")
 
   stage("init", "pretrain", CONFIG, "--out", p("init"), "train.steps=1", "train.eval_every=0",
         "data.tokenizer_train_mb=1", "data.max_files=200", *QUIET)
@@ -91,16 +90,28 @@ def run_pipeline(root: str, *, tasks: int = 2, seed: int = 1, sft_steps: int = 1
         "train", "--templates", "fix_bug", "--levels", "1", "--out", p("tasks"))
   traj = p("trajectories.jsonl")
   stage("expert", "tasks", "expert", "--tasks", p("tasks"), "--out", traj, "--config", CONFIG,
-        "--flawed", "1", "--seed", str(seed))
+        "--flawed", str(flawed), "--seed", str(seed))
   stage("sft", "sft", CONFIG, "--out", p("sft"), "--init", p("init"), f"data.sft_path={traj}",
         "data.seq_len=768", "data.batch_size=4", f"train.steps={sft_steps}", "optim.lr=2e-3",
         "optim.warmup_steps=10", "train.eval_every=0", f"checkpoint.every={sft_steps}", *QUIET)
+
+
+def run_pipeline(root: str, *, tasks: int = 2, seed: int = 1, sft_steps: int = 150,
+                 rl_steps: int = 8, group_size: int = 8, lr: float = 1e-4, top_p: float = 0.9,
+                 eval_samples: int = 16, log=print) -> dict:
+  t0 = time.perf_counter()
+  p = lambda *a: os.path.join(root, *a)
+  wall = {}
+  sft_policy(root, wall, tasks=tasks, seed=seed, sft_steps=sft_steps, log=log)
+  traj = p("trajectories.jsonl")
   before = sequence_logps(p("sft"), traj)
-  stage("rl", "rl", CONFIG, "--out", p("rl"), "--init", p("sft"), f"rl.tasks={p('tasks')}",
+  t = time.perf_counter()
+  _cli("rl", CONFIG, "--out", p("rl"), "--init", p("sft"), f"rl.tasks={p('tasks')}", "rl.async=false",
         f"rl.tasks_per_step={tasks}", f"rl.group_size={group_size}", f"rl.steps={rl_steps}",
         f"rl.top_p={top_p}", f"optim.lr={lr}", "optim.warmup_steps=0", "optim.schedule=constant",
         "optim.weight_decay=0.0", f"checkpoint.every={rl_steps}", f"rl.eval_tasks={p('tasks')}",
         f"eval.samples={eval_samples}", *QUIET)
+  wall["rl"] = round(time.perf_counter() - t, 1)
   after = sequence_logps(p("rl"), traj)
   with open(p("rl", "metrics.jsonl"), encoding="utf-8") as f:
     steps = [json.loads(line) for line in f]

@@ -95,12 +95,17 @@ class Cache:
     return Cache(tuple(lc.replace(view=int(view)) for lc in self.layers))
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
+def init_layer_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None, stack: tuple = ()) -> LayerCache:
+  """One attention layer's empty cache (``stack``: leading layer axes of a stacked entry). An MTP
+  depth drafting tokens (rl.speculative_mtp) keeps one of these beside the model's Cache."""
   dtype = dtype or dtype_of(cfg.compute_dtype)
-  def one(*stack):
-    return LayerCache(c=jnp.zeros((*stack, batch, max_len, cfg.kv_lora_rank), dtype),
-                      k_pe=jnp.zeros((*stack, batch, max_len, cfg.qk_rope_dim), dtype),
-                      index=jnp.zeros((batch,), jnp.int32))
+  return LayerCache(c=jnp.zeros((*stack, batch, max_len, cfg.kv_lora_rank), dtype),
+                    k_pe=jnp.zeros((*stack, batch, max_len, cfg.qk_rope_dim), dtype),
+                    index=jnp.zeros((batch,), jnp.int32))
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> Cache:
+  one = lambda *stack: init_layer_cache(cfg, batch, max_len, dtype, stack)
   if cfg.scan_layers:
     return Cache(layers=tuple(one() for _ in range(cfg.n_dense_layers)) + (one(cfg.n_moe_layers),))
   return Cache(layers=tuple(one() for _ in range(cfg.n_layers)))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from composer_jax.config import ModelConfig
-from composer_jax.model.cache import Cache, check_room
+from composer_jax.model.cache import Cache, LayerCache, check_room
 from composer_jax.model.layers import (
   MLP,
   KeySeq,
@@ -84,10 +84,12 @@ class MTPDepth(nnx.Module):
     self.block = Block(cfg, moe=cfg.n_moe_layers > 0, rngs=rngs)
     self.norm = RMSNorm(cfg.d_model, cfg)
 
-  def __call__(self, h, emb_ahead, cos, sin, seg):
+  def __call__(self, h, emb_ahead, cos, sin, seg, cache=None):
+    """Training (``cache`` None): (hidden, router stats). Decoding over this depth's own latent cache
+    (speculative drafts, composer_jax.rl.engine): (hidden, new cache)."""
     x = self.proj(jnp.concatenate([self.enorm(emb_ahead), self.hnorm(h)], axis=-1))
-    x, _, stats = self.block(x, cos, sin, seg)
-    return x, stats
+    x, cache_out, stats = self.block(x, cos, sin, seg, cache)
+    return (x, stats) if cache is None else (x, cache_out)
 
 
 class Transformer(nnx.Module):
@@ -146,6 +148,20 @@ class Transformer(nnx.Module):
       return block(x, cos, sin, seg, cache, replay)
     return remat_block(block, REMAT_POLICIES.get(self.cfg.remat), x, cos, sin, seg, replay)
 
+  def mtp_draft_logits(self, hidden, ahead_tokens, positions, segment_ids, cache: LayerCache, at):
+    """The first MTP depth run over its own latent cache (speculative drafting): logits [b, V] at
+    position ``at`` [b] for the token after ``ahead_tokens`` there, and the depth's new cache.
+
+    ``hidden`` [b, s, d] is the main stack's output for the fed tokens and ``ahead_tokens`` [b, s]
+    the token after each (position t pairs h_t with token t+1, as in training); ``segment_ids``
+    mark the positions whose pairs are known (a prefix per row), which are the ones written.
+    """
+    cos, sin = rope_cos_sin(positions, self.cfg)
+    depth = self.mtp[0]
+    h, cache = depth(hidden, self.embed_tokens(ahead_tokens), cos, sin, segment_ids, cache)
+    h = jnp.take_along_axis(h, jnp.asarray(at, jnp.int32)[:, None, None], axis=1)
+    return self.logits(depth.norm(h))[:, 0], cache
+
   # -- forward ------------------------------------------------------------------------------------
 
   def __call__(self, tokens, segment_ids=None, positions=None, *, cache: Cache | None = None,
@@ -196,8 +212,9 @@ class Transformer(nnx.Module):
       if top is not None:  # where pop_max_logits finds it: [n_moe_layers, heads]
         getattr(self, STACK).attn.sow(nnx.Intermediate, "max_logit", top)
     hidden = x
-    if logit_positions is not None:
-      x = jnp.take_along_axis(x, jnp.asarray(logit_positions, jnp.int32)[:, None, None], axis=1)
+    if logit_positions is not None:  # [b] -> logits [b, 1, V]; [b, m] -> [b, m, V]
+      lp = jnp.asarray(logit_positions, jnp.int32)
+      x = jnp.take_along_axis(x, lp[:, None, None] if lp.ndim == 1 else lp[:, :, None], axis=1)
     logits = self.logits(self.norm(x))
     mtp_logits, h, mtp_stats = [], hidden, []
     if mtp and cache is None:

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from composer_jax.rl.loop import RLRun
+from composer_jax.rl.loop import RLRun, draft_metrics
 from composer_jax.rl.orchestrator import Ledger, Orchestrator
 
 
@@ -46,7 +46,7 @@ class AsyncRLRun(RLRun):
     self.per_unit = max(1, min(rl.tasks_per_step, rl.decode_batch // rl.group_size))
     self.max_outstanding = rl.tasks_per_step * (rl.max_staleness + 1)
     self.worker_stats: dict[int, dict] = {}
-    self.tokens_since = 0
+    self.tokens_since, self.drafts_since = 0, [0, 0]  # drafts proposed, kept (rl.speculative_mtp)
     self.t_last = time.perf_counter()
     self.orch = Orchestrator(cfg, os.path.join(out_dir, "tokenizer.json"), log=log)
     self.last_broadcast = self.orch.broadcast((self.tr.state["params"], self.tr.state["rest"]),
@@ -66,6 +66,8 @@ class AsyncRLRun(RLRun):
         self.ledger.requeue(gid)
     for res in results:
       self.tokens_since += res["tokens"]
+      self.drafts_since[0] += res.get("drafts", 0)
+      self.drafts_since[1] += res.get("drafts_kept", 0)
       self.worker_stats[res["worker"]] = res
       for gid, rollouts in sorted(res["groups"].items()):
         self.buffer.append((gid, rollouts))
@@ -122,7 +124,9 @@ class AsyncRLRun(RLRun):
         "rollout_idle_frac": 1.0 - busy / alive if alive else 0.0,
         "rollout_tokens_per_s": self.tokens_since / max(now - self.t_last, 1e-9),
         **self.last_broadcast})
-    self.tokens_since, self.t_last = 0, now
+    if rl.speculative_mtp:
+      rec.update(draft_metrics(*self.drafts_since))
+    self.tokens_since, self.t_last, self.drafts_since = 0, now, [0, 0]
     return rec
 
   def publish(self, version: int) -> None:

@@ -1,7 +1,8 @@
 """``composer-jax rl CONFIG --out DIR [--init RUN_DIR] [--resume] [key=value ...]``.
 
-Synchronous RL (``rl.async=false``): rollouts of the current policy on ``rl.tasks`` through the
-sandboxed tools, then one learner update; metrics, plots and checkpoints in DIR. Bad input (missing
+Asynchronous RL by default (``rl.async=true``: Ray rollout workers, composer_jax.rl.async_loop);
+``rl.async=false`` runs the synchronous loop: rollouts of the current policy on ``rl.tasks`` through
+the sandboxed tools, then one learner update. Metrics, plots and checkpoints in DIR. Bad input (missing
 tasks, no tokenizer to start from, no working sandbox) stops with one line before anything compiles.
 """
 

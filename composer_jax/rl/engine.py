@@ -16,6 +16,14 @@ sequence the model read and wrote; a turn refused with finish="context" feeds an
 nothing, so the final token is then the previous turn's). Per fed token the engine records the routed experts of every
 MoE layer (router replay); per generated token its log-prob (see composer_jax.rl.sampling) and the
 weight version that produced it.
+
+With ``rl.speculative_mtp`` the first MTP depth drafts one token per generating row, over a latent
+cache of its own: a decoding row feeds its last token and the draft (S = 2), the main model verifies
+the draft by speculative sampling (``sampling.speculative_verify``: the emitted ids are distributed as
+without drafts) and, when it is kept, samples a bonus token from the draft's position, so a call
+emits one or two tokens per row. A rejected draft's cache slot lies past the row's length and is
+overwritten by the next feed; a kept draft on which the turn ends is rolled back the same way, so it
+is fed again at the next turn like any final token. ``stats`` count drafts and kept drafts.
 """
 
 from __future__ import annotations
@@ -32,8 +40,15 @@ import numpy as np
 from flax import nnx
 
 from composer_jax.config import Config, ConfigError
-from composer_jax.model.cache import Cache, LayerCache, bucket, check_room, init_cache
-from composer_jax.rl.sampling import sample
+from composer_jax.model.cache import (
+  Cache,
+  LayerCache,
+  bucket,
+  check_room,
+  init_cache,
+  init_layer_cache,
+)
+from composer_jax.rl.sampling import sample, speculative_verify
 
 MIN_VIEW = 64  # smallest attention bucket (fewer traces for short contexts)
 
@@ -85,22 +100,76 @@ def _step_fn(graphdef, mesh, *rule):
 
 
 def _make_step_fn(graphdef, temperature: float, top_k: int, top_p: float, n_moe: int, k: int,
-                  edtype: str):
+                  edtype: str, speculative: bool = False):
   """Rows feed counts[b] tokens; returns the cache buffers (donated, updated in place), a sampled id
-  and its log-prob at each row's last fed token, and the routed experts of every fed position."""
+  and its log-prob at each row's last fed token, and the routed experts of every fed position.
+  ``speculative``: the drafting variant (``_make_spec_fn``)."""
+  if speculative:
+    return _make_spec_fn(graphdef, temperature, top_k, top_p, n_moe, k, edtype)
 
   def forward(params, rest, bufs, index, tokens, counts, key, *, view):
     model = nnx.merge(graphdef, params, rest)
-    cache = Cache(tuple(LayerCache(c=c, k_pe=kpe, index=index, view=view) for c, kpe in bufs))
-    seg = (jnp.arange(tokens.shape[1])[None] < counts[:, None]).astype(jnp.int32)
-    out = model(tokens, segment_ids=seg, cache=cache, return_routing=n_moe > 0, mtp=False,
-                logit_positions=jnp.maximum(counts - 1, 0))
+    out = model(tokens, segment_ids=_valid(tokens, counts), cache=_cache(bufs, index, view),
+                return_routing=n_moe > 0, mtp=False, logit_positions=jnp.maximum(counts - 1, 0))
     ids, logp = sample(out.logits[:, 0], key, temperature, top_k, top_p)
-    routed = (out.routed_experts.astype(edtype) if n_moe
-              else jnp.zeros((0,) + tokens.shape + (k,), edtype))
-    return tuple((lc.c, lc.k_pe) for lc in out.cache.layers), ids, logp, routed
+    return _bufs(out.cache), ids, logp, _routed(out, tokens, n_moe, k, edtype)
 
   return jax.jit(forward, static_argnames=("view",), donate_argnums=(2,))
+
+
+def _cache(bufs, index, view) -> Cache:
+  return Cache(tuple(LayerCache(c=c, k_pe=kpe, index=index, view=view) for c, kpe in bufs))
+
+
+def _bufs(cache: Cache) -> tuple:
+  return tuple((lc.c, lc.k_pe) for lc in cache.layers)
+
+
+def _valid(tokens, counts):
+  return (jnp.arange(tokens.shape[1])[None] < counts[:, None]).astype(jnp.int32)
+
+
+def _routed(out, tokens, n_moe: int, k: int, edtype: str):
+  return out.routed_experts.astype(edtype) if n_moe else jnp.zeros((0,) + tokens.shape + (k,), edtype)
+
+
+def _make_spec_fn(graphdef, temperature: float, top_k: int, top_p: float, n_moe: int, k: int,
+                  edtype: str):
+  """The mixed call with MTP drafts. A row with ``has_draft`` fed [last token, draft]; the main
+  model's logits at both positions verify the draft (and give the bonus token); then the first MTP
+  depth reads the main stack's hidden states over the kept positions (each paired with the token
+  after it: the next fed token, the token just emitted, or for a row still prefilling the first
+  token of its next chunk, ``next_tok``) and drafts the token after the one just emitted.
+
+  Returns (cache buffers, MTP cache buffers, draft logits [b, V], ids [b, 2], logprobs [b, 2],
+  emitted count [b], next draft [b], routed experts); the three buffers are donated.
+  """
+
+  def forward(params, rest, bufs, mtp_buf, draft_logits, index, tokens, counts, has_draft, next_tok,
+              samples, key, *, view):
+    model = nnx.merge(graphdef, params, rest)
+    b, s = tokens.shape
+    rows = jnp.arange(b)
+    last = jnp.maximum(counts - 1, 0)
+    answered = jnp.where(has_draft, jnp.maximum(counts - 2, 0), last)  # logits judging the draft
+    out = model(tokens, segment_ids=_valid(tokens, counts), cache=_cache(bufs, index, view),
+                return_routing=n_moe > 0, mtp=False, return_hidden=True,
+                logit_positions=jnp.stack([answered, last], axis=1))
+    k_verify, k_draft = jax.random.split(key)
+    ids, logp, n = speculative_verify(out.logits, draft_logits, tokens[rows, last], has_draft,
+                                      k_verify, temperature, top_k, top_p)
+    kept = jnp.where(n == 2, last, answered)  # the last fed position the row keeps
+    after = jnp.where(samples, ids[rows, n - 1], next_tok)
+    ahead = jnp.roll(tokens, -1, axis=1).at[rows, kept].set(after)
+    pairs = ((jnp.arange(s)[None] <= kept[:, None]) & (counts[:, None] > 0)).astype(jnp.int32)
+    positions = index[:, None] + jnp.arange(s, dtype=jnp.int32)[None]
+    mcache = LayerCache(c=mtp_buf[0], k_pe=mtp_buf[1], index=index, view=view)
+    dlog, mcache = model.mtp_draft_logits(out.hidden, ahead, positions, pairs, mcache, kept)
+    draft, _ = sample(dlog, k_draft, temperature, top_k, top_p)
+    return (_bufs(out.cache), (mcache.c, mcache.k_pe), dlog.astype(jnp.float32), ids, logp, n, draft,
+            _routed(out, tokens, n_moe, k, edtype))
+
+  return jax.jit(forward, static_argnames=("view",), donate_argnums=(2, 3, 4))
 
 
 @dataclasses.dataclass
@@ -116,6 +185,7 @@ class _Slot:
   out: list = dataclasses.field(default_factory=list)
   logp: list = dataclasses.field(default_factory=list)
   vers: list = dataclasses.field(default_factory=list)
+  draft: int | None = None  # the MTP's guess at the token after out[-1] (rl.speculative_mtp)
 
 
 class Engine:
@@ -132,6 +202,10 @@ class Engine:
       raise ConfigError(f"rl.top_p={cfg.rl.top_p} must be in (0, 1]")
     if cfg.rl.top_k < 0:
       raise ConfigError(f"rl.top_k={cfg.rl.top_k} must be >= 0 (0 = whole vocabulary)")
+    self.speculative = bool(cfg.rl.speculative_mtp)
+    if self.speculative and m.mtp_depths < 1:
+      raise ConfigError("rl.speculative_mtp=true drafts with the MTP head, but model.mtp_depths=0: "
+                        "set model.mtp_depths >= 1 or rl.speculative_mtp=false")
     self.cfg, self.n_slots, self.max_len = cfg, n_slots, max_len
     self.prefill_chunk = max(16, min(prefill_chunk, max_len))
     self.graphdef, self.params, self.rest, self.version = graphdef, params, rest, version
@@ -145,12 +219,16 @@ class Engine:
     self._submitted = 0
     self._done: list[Generation] = []
     with self._context():
-      self._bufs = tuple((lc.c, lc.k_pe) for lc in init_cache(m, n_slots, max_len).layers)
+      self._bufs = _bufs(init_cache(m, n_slots, max_len))
+      if self.speculative:
+        mc = init_layer_cache(m, n_slots, max_len)
+        self._mtp_buf = (mc.c, mc.k_pe)
+        self._draft_logits = jnp.zeros((n_slots, m.vocab_size), jnp.float32)
     rl = cfg.rl
     self._fn = _step_fn(graphdef, mesh, float(rl.temperature), int(rl.top_k), float(rl.top_p), self.n_moe,
-                        self.k, np.dtype(self.edtype).name)
+                        self.k, np.dtype(self.edtype).name, self.speculative)
     self.stats = collections.Counter(tokens_decoded=0, prefill_tokens=0, steps=0, seconds=0.0,
-                                     generations=0)
+                                     generations=0, drafts=0, drafts_kept=0)
 
   def _context(self):
     if self.mesh is None or self.mesh.size == 1:
@@ -182,6 +260,10 @@ class Engine:
     if self._slots[i].req is not None:
       raise ValueError(f"release({key!r}) while its turn is still generating")
     self._slots[i] = _Slot()
+
+  def acceptance_rate(self) -> float:
+    """Kept MTP drafts / drafts proposed so far (0 without drafts)."""
+    return self.stats["drafts_kept"] / max(self.stats["drafts"], 1)
 
   def free_slots(self) -> int:
     return sum(s.key is None for s in self._slots)
@@ -252,7 +334,7 @@ class Engine:
     if slot.out:
       slot.carry = slot.out[-1]
     self._done.append((slot.order, gen))
-    slot.req, slot.todo, slot.experts = None, [], []
+    slot.req, slot.todo, slot.experts, slot.draft = None, [], [], None
     self.stats["generations"] += 1
 
   def _step_ordered(self) -> list[tuple[int, Generation]]:
@@ -264,6 +346,8 @@ class Engine:
         feeds.append([])
       elif s.todo:
         feeds.append(s.todo[: self.prefill_chunk])
+      elif s.draft is not None and s.filled + 2 <= self.max_len:
+        feeds.append([s.out[-1], s.draft])
       else:
         feeds.append([s.out[-1]])
     width = max(len(f) for f in feeds)
@@ -274,7 +358,7 @@ class Engine:
     return done
 
   def _call(self, feeds: list[list[int]], width: int) -> None:
-    s = 1 if width == 1 else bucket(width, self.prefill_chunk)
+    s = width if width <= 2 else bucket(width, self.prefill_chunk)
     counts = np.array([len(f) for f in feeds], np.int32)
     index = np.array([sl.filled for sl in self._slots], np.int32)
     check_room(index, counts, self.max_len)
@@ -283,30 +367,73 @@ class Engine:
       tokens[r, : len(f)] = f
     view = bucket(int((index + counts).max()), self.max_len, MIN_VIEW)
     self._key, sub = jax.random.split(self._key)
+    if self.speculative:
+      return self._call_spec(feeds, tokens, index, counts, view, sub)
     with self._context():
       self._bufs, ids, logp, routed = self._fn(self.params, self.rest, self._bufs, jnp.asarray(index),
                                                jnp.asarray(tokens), jnp.asarray(counts), sub, view=view)
     ids, logp, routed = np.asarray(ids), np.asarray(logp), np.asarray(routed)
     self.stats["steps"] += 1
     for r, (slot, f) in enumerate(zip(self._slots, feeds)):
-      n = len(f)
-      if not n:
-        continue
-      slot.fed += f
-      slot.experts.append(routed[:, r, :n].transpose(1, 0, 2))
-      slot.filled += n
-      if slot.todo:  # prefilling: the turn's tokens
-        slot.todo = slot.todo[n:]
-        self.stats["prefill_tokens"] += n
-        if slot.todo:
-          continue  # more chunks to come; this row's sample is meaningless
-      self._append(slot, int(ids[r]), float(logp[r]))
+      if f and self._feed(slot, f, routed[:, r]):
+        self._append(slot, int(ids[r]), float(logp[r]))
 
-  def _append(self, slot: _Slot, tok: int, lp: float) -> None:
+  def _feed(self, slot: _Slot, f: list[int], routed) -> bool:
+    """Record the tokens ``f`` kept in the slot's cache (``routed`` [n_moe, >= len(f), k]); whether
+    the row's sample counts (False while a prefill has chunks to go)."""
+    n = len(f)
+    slot.fed += f
+    slot.experts.append(routed[:, :n].transpose(1, 0, 2))
+    slot.filled += n
+    if slot.todo:  # prefilling: the turn's tokens
+      slot.todo = slot.todo[n:]
+      self.stats["prefill_tokens"] += n
+      return not slot.todo  # more chunks to come: this row's sample is meaningless
+    return True
+
+  def _call_spec(self, feeds, tokens, index, counts, view, key) -> None:
+    drafted = np.array([bool(sl.req is not None and not sl.todo and len(f) == 2)
+                        for sl, f in zip(self._slots, feeds)])
+    samples = np.array([bool(f) and len(sl.todo) <= len(f) for sl, f in zip(self._slots, feeds)])
+    next_tok = np.array([sl.todo[len(f)] if len(sl.todo) > len(f) else 0
+                         for sl, f in zip(self._slots, feeds)], np.int32)
+    with self._context():
+      (self._bufs, self._mtp_buf, self._draft_logits, ids, logp, n_out, draft, routed) = self._fn(
+          self.params, self.rest, self._bufs, self._mtp_buf, self._draft_logits, jnp.asarray(index),
+          jnp.asarray(tokens), jnp.asarray(counts), jnp.asarray(drafted), jnp.asarray(next_tok),
+          jnp.asarray(samples), key, view=view)
+    ids, logp, n_out, draft, routed = (np.asarray(a) for a in (ids, logp, n_out, draft, routed))
+    self.stats["steps"] += 1
+    for r, (slot, f) in enumerate(zip(self._slots, feeds)):
+      if not f:
+        continue
+      req = slot.req
+      if drafted[r]:
+        self.stats["drafts"] += 1
+        kept = n_out[r] == 2
+        self.stats["drafts_kept"] += int(kept)
+        # a kept draft the turn ends on is not fed: it is the turn's final token (fed next turn)
+        ends = kept and (f[1] in req.stop_ids or len(slot.out) + 1 >= req.max_new_tokens)
+        if kept and not ends:
+          self._feed(slot, f, routed[:, r])
+          self._record(slot, f[1], float(logp[r, 0]))
+          self._append(slot, int(ids[r, 1]), float(logp[r, 1]))
+        else:
+          self._feed(slot, f[:1], routed[:, r])
+          self._append(slot, int(ids[r, 0]), float(logp[r, 0]))
+      elif self._feed(slot, f, routed[:, r]):
+        self._append(slot, int(ids[r, 0]), float(logp[r, 0]))
+      if slot.req is not None and samples[r]:
+        slot.draft = int(draft[r])
+
+  def _record(self, slot: _Slot, tok: int, lp: float) -> None:
     slot.out.append(tok)
     slot.logp.append(lp)
     slot.vers.append(self.version)
     self.stats["tokens_decoded"] += 1
+
+  def _append(self, slot: _Slot, tok: int, lp: float) -> None:
+    self._record(slot, tok, lp)
     req = slot.req
     if tok in req.stop_ids:
       self._finish(slot, "stop")

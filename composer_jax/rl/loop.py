@@ -79,6 +79,12 @@ def check_isolation(cfg: Config) -> str:
     raise ConfigError(str(e)) from None
 
 
+def draft_metrics(drafts: int, kept: int) -> dict:
+  """rl.speculative_mtp: MTP drafts proposed and kept over a step's rollouts, and the kept share."""
+  return {"mtp_drafts": int(drafts), "mtp_drafts_kept": int(kept),
+          "mtp_acceptance": kept / drafts if drafts else 0.0}
+
+
 def rollout_record(step: int, r) -> dict:
   return {"step": step, "task": r.task_id, "group": r.group, "reward": r.reward,
           "resolved": r.resolved, "completion_tokens": r.completion_tokens, "segments": len(r.segments),
@@ -189,8 +195,13 @@ class RLRun:
     chosen = self.stream.take(rl.tasks_per_step)
     jobs = [Job(self.tasks[t], g, s) for g, t in enumerate(chosen) for s in range(rl.group_size)]
     t0 = time.perf_counter()
+    drafts0 = (self.engine.stats["drafts"], self.engine.stats["drafts_kept"])
     rollouts = self.runner.run(jobs)
-    return self.learn(step, rollouts, time.perf_counter() - t0)
+    rec = self.learn(step, rollouts, time.perf_counter() - t0)
+    if rl.speculative_mtp:
+      rec.update(draft_metrics(self.engine.stats["drafts"] - drafts0[0],
+                               self.engine.stats["drafts_kept"] - drafts0[1]))
+    return rec
 
   def learn(self, step: int, rollouts: list, rollout_s: float) -> dict:
     """Score a step's rollouts, update the policy, publish the new weights; the step's metrics."""

@@ -168,16 +168,19 @@ class RolloutWorker:
         self._swap()
       g = self.cfg.rl.group_size
       jobs = [Job(self.tasks[t], gid, s) for gid, t in unit for s in range(g)]
-      tokens0 = self.engine.stats["tokens_decoded"]
+      st = self.engine.stats
+      tokens0, drafts0, kept0 = st["tokens_decoded"], st["drafts"], st["drafts_kept"]
       rollouts = self.runner.run(jobs)
       by_gid: dict[int, list] = {}
       for r in rollouts:
         by_gid.setdefault(r.group, []).append(r)
-      tokens = self.engine.stats["tokens_decoded"] - tokens0
+      tokens = st["tokens_decoded"] - tokens0
+      drafts, kept = st["drafts"] - drafts0, st["drafts_kept"] - kept0
     finally:
       self.busy = False
       self.busy_s += time.perf_counter() - t0
-    return {"groups": by_gid, "worker": self.id, "tokens": int(tokens),
+    return {"groups": by_gid, "worker": self.id, "tokens": int(tokens), "drafts": int(drafts),
+            "drafts_kept": int(kept),
             "busy_s": self.busy_s, "alive_s": time.perf_counter() - self.born,
             "full_copies": self.rx.full_copies, "checksum_failures": self.rx.checksum_failures,
             "swaps": self.swaps}

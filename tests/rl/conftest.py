@@ -14,7 +14,8 @@ MODEL = ["model.vocab_size=640", "model.d_model=48", "model.n_layers=4", "model.
          "model.qk_nope_dim=8", "model.qk_rope_dim=8", "model.v_head_dim=8",
          "model.n_routed_experts=8", "model.moe_ffn_dim=16", "model.n_group=2", "model.topk_group=2",
          "model.mtp_depths=0", "model.max_seq_len=2048", "mesh.data=1"]
-RL = ["rl.tasks_per_step=2", "rl.group_size=2", "rl.max_new_tokens=12", "rl.decode_batch=4",
+# The synchronous loop (rl.async=false): these tests check its semantics; test_async.py runs Ray.
+RL = ["rl.async=false", "rl.tasks_per_step=2", "rl.group_size=2", "rl.max_new_tokens=12", "rl.decode_batch=4",
       "rl.max_context=2048", "env.max_turns=2", "env.tool_docs=brief", "env.timeout_s=10",
       "checkpoint.every=1", "checkpoint.async_save=false", "train.progress=false",
       "optim.warmup_steps=0", "optim.lr=1e-3"]

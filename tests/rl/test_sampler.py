@@ -60,6 +60,50 @@ def test_sampling_rule_against_numpy():
   np.testing.assert_allclose(logp, np.log(p[0])[np.asarray(ids)], atol=1e-5)
 
 
+def _nucleus_by_sorting(scaled, top_k, top_p):
+  """NumPy reference of the truncation rule: sort, keep the top-k (and ids tied with the k-th), then
+  the smallest prefix whose mass reaches top_p (first id always) and every id tied with its last."""
+  keep = np.zeros(scaled.shape, bool)
+  for r, row in enumerate(np.asarray(scaled, np.float64)):
+    order = np.argsort(-row, kind="stable")
+    if top_k:  # ids tied with the k-th logit stay in
+      order = order[row[order] >= row[order[top_k - 1]]]
+    p = np.exp(row[order] - row[order].max())
+    p /= p.sum()
+    n = max(1, int(np.sum(np.cumsum(p) - p < top_p)))
+    keep[r] = row >= row[order[n - 1]]
+  return keep
+
+
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_nucleus_bisection_equals_sorting(top_k):
+  """truncate finds the nucleus by bisection on the logit value; it keeps exactly the ids the
+  sorted definition keeps: 64 rows of 2048 logits at several scales (peaked to flat), with ties,
+  at top_p from 0.05 to 0.99."""
+  rs = np.random.RandomState(0)
+  rows = rs.randn(64, 2048) * np.repeat([0.1, 1.0, 3.0, 8.0], 16)[:, None]
+  rows[::7, :50] = rows[::7, :1]  # 50-way ties at the top
+  rows[1::5] = np.round(rows[1::5], 1)  # many ties everywhere
+  rows = rows.astype(np.float32)
+  for top_p in (0.05, 0.5, 0.9, 0.99):
+    got = np.isfinite(np.asarray(truncate(jnp.asarray(rows), top_k, top_p)))
+    want = _nucleus_by_sorting(rows, top_k, top_p)
+    assert (got != want).sum() == 0, (top_p, np.nonzero((got != want).any(1))[0])
+
+
+def trainer_view(model, keys, seqs, fed, temperature):
+  """The trainer's view of finished episodes: one batched forward, each row right-padded (causal
+  rows are independent). Checks token in, token out (the fed tokens plus the final token are the
+  sequence); returns float64 log_softmax(logits / T) [b, s, V] and the routing [n_moe, b, s, k]."""
+  n = max(len(s) for s in seqs.values())
+  batch = np.zeros((len(keys), n), np.int32)
+  for r, k in enumerate(keys):
+    assert fed[k] + [seqs[k][-1]] == seqs[k]  # token-in-token-out
+    batch[r, : len(seqs[k])] = seqs[k]
+  out = nnx.jit(lambda m, t: m(t, return_routing=True))(model, jnp.asarray(batch))
+  return _log_softmax64(np.asarray(out.logits) / temperature), np.asarray(out.routed_experts)
+
+
 def test_engine_matches_training_forward_over_multiturn_episodes(setup):
   """Four episodes on three slots (the fourth waits for a release; its 19-token prompt is prefilled
   in two chunks while the others decode), two turns each, weights swapped
@@ -111,16 +155,8 @@ def test_engine_matches_training_forward_over_multiturn_episodes(setup):
   assert gens["c"][1].finish == "stop" and len(gens["c"][1].tokens) == 1
   assert {int(v) for g in gens.values() for gg in g for v in gg.token_versions} == {0, 1}
   assert eng.stats["tokens_decoded"] == sum(len(gg.tokens) for g in gens.values() for gg in g)
-  # The trainer's view: one batched forward, each row right-padded (causal rows are independent).
   keys = list(prompts)
-  n = max(len(s) for s in seqs.values())
-  batch = np.zeros((len(keys), n), np.int32)
-  for r, k in enumerate(keys):
-    assert fed[k] + [seqs[k][-1]] == seqs[k]  # token-in-token-out
-    batch[r, : len(seqs[k])] = seqs[k]
-  out = nnx.jit(lambda m, t: m(t, return_routing=True))(model, jnp.asarray(batch))
-  logp_all = _log_softmax64(np.asarray(out.logits) / cfg.rl.temperature)
-  routing = np.asarray(out.routed_experts)  # [n_moe, b, s, k]
+  logp_all, routing = trainer_view(model, keys, seqs, fed, cfg.rl.temperature)
   for r, k in enumerate(keys):
     for g, at in zip(gens[k], where[k]):  # the id at position i is sampled from the logits at i - 1
       np.testing.assert_allclose(g.logprobs, logp_all[r, at - 1, np.asarray(g.tokens)], atol=1e-5)
