@@ -14,7 +14,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
 NUCLEUS_BISECTIONS = 50  # halvings of the logit range: the threshold is then exact to float32
 
 

@@ -48,7 +48,7 @@ def _body_logp(trainer, graphdef, cfg, tokens, start, end):
 
 def test_feedback_kl_lowers_the_invalid_tool_call(world):
   from composer_jax.train.loop import build_trainer, put_batch
-  root, init, tasks_dir = world
+  _, init, tasks_dir = world
   over = MODEL + RL + ["rl.feedback_kl_coef=1.0", "rl.feedback_topk=0", "rl.feedback_teacher=frozen",
                        "rl.router_replay=false", "rl.max_new_tokens=64", "optim.lr=5e-4", "optim.weight_decay=0",
                        "optim.clip_norm=0", "model.bias_update_rate=0", "optim.schedule=constant"]
