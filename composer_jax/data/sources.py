@@ -15,9 +15,12 @@ import os
 import sysconfig
 
 from composer_jax.config import ConfigError
+from composer_jax.data import repeats
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".jsonl")
 BUILTIN = ("stdlib", "site-packages")
+GENERATED = (repeats.NAME,)  # made in memory (data/repeats.py), not read from files
+GENERATED_DOCS = 4000  # documents of a generated source when data.max_files is 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +80,7 @@ def list_docs(source: str, *, max_files: int = 0, text_field: str = "text") -> l
     return [Doc(p) for p in files]
   if not os.path.exists(source):
     raise ConfigError(f"data.sources: {source!r} does not exist; give 'stdlib', 'site-packages', "
-                      "or a path to a .txt/.jsonl file or a directory")
+                      "'repeats', or a path to a .txt/.jsonl file or a directory")
   if os.path.isdir(source):
     files = _ordered(_walk(source, TEXT_SUFFIXES), source, max_files)
   else:
@@ -92,11 +95,26 @@ def list_docs(source: str, *, max_files: int = 0, text_field: str = "text") -> l
   return docs
 
 
-def split_docs(docs: list[Doc], heldout_fraction: float) -> tuple[list[str], list[str]]:
-  """Read every document and split into (train texts, held-out texts); empty documents dropped."""
-  train, heldout = [], []
+def read_docs(docs: list[Doc]) -> list[str]:
+  """The documents' texts, in order; each JSONL file is read once (not once per line)."""
+  lines: dict[str, list[str]] = {}
+  out = []
   for d in docs:
-    text = d.read()
+    if d.line < 0:
+      out.append(d.read())
+      continue
+    if d.path not in lines:
+      with open(d.path, encoding="utf-8", errors="replace") as f:
+        lines[d.path] = f.readlines()
+    raw = lines[d.path][d.line] if d.line < len(lines[d.path]) else ""
+    out.append(str(json.loads(raw).get(d.field, "")) if raw.strip() else "")
+  return out
+
+
+def split_texts(texts: list[str], heldout_fraction: float) -> tuple[list[str], list[str]]:
+  """Split into (train texts, held-out texts) by a hash of each text; empty texts dropped."""
+  train, heldout = [], []
+  for text in texts:
     if not text.strip():
       continue
     (heldout if is_heldout(text, heldout_fraction) else train).append(text)
@@ -126,7 +144,11 @@ def load_corpus(sources: list[str], weights: list[float], *, heldout_fraction: f
   weights = mixture_weights(sources, weights)
   train, heldout = [], []
   for s in sources:
-    tr, ho = split_docs(list_docs(s, max_files=max_files, text_field=text_field), heldout_fraction)
+    if s in GENERATED:
+      texts = repeats.documents(max_files or GENERATED_DOCS)
+    else:
+      texts = read_docs(list_docs(s, max_files=max_files, text_field=text_field))
+    tr, ho = split_texts(texts, heldout_fraction)
     if not tr:
       raise ConfigError(f"data.sources: {s!r} has no training documents; check the path or lower "
                         "data.heldout_fraction")

@@ -112,7 +112,7 @@ def test_heldout_split_by_content_hash(tmp_path):
     (tmp_path / f"f{i}.txt").write_text(f"content {i % 20}\n")  # each content twice
   docs = sources.list_docs(str(tmp_path))
   assert docs == sources.list_docs(str(tmp_path))  # deterministic order
-  train, held = sources.split_docs(docs, 0.3)
+  train, held = sources.split_texts(sources.read_docs(docs), 0.3)
   assert held and train and not (set(train) & set(held))
   assert len(train) + len(held) == 40
 
@@ -128,6 +128,11 @@ def test_jsonl_source_and_bad_path(tmp_path):
   p = tmp_path / "c.jsonl"
   p.write_text(json.dumps({"text": "hello"}) + "\n" + json.dumps({"text": "world"}) + "\n")
   assert [d.read() for d in sources.list_docs(str(p))] == ["hello", "world"]
+  # The one-pass reader gives what reading each line on its own gives, across files and blank lines.
+  (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": f"t{i}", "x": i}) if i % 3 else ""
+                                              for i in range(30)) + "\n")
+  docs = sources.list_docs(str(tmp_path))
+  assert len(docs) == 2 + 20 and sources.read_docs(docs) == [d.read() for d in docs]
   from composer_jax.config import ConfigError
   with pytest.raises(ConfigError, match="data.sources"):
     sources.list_docs(str(tmp_path / "missing"))
@@ -138,3 +143,20 @@ def test_real_tokenizer_in_the_pipeline():
   tok = train_bpe(texts, 300)
   b = next(iter(pipeline.pretrain_dataset([texts], [1.0], tok, seq_len=64, batch_size=2)))
   assert b["tokens"].max() < tok.vocab_size
+
+
+def test_repeats_source_is_deterministic_and_repeats_every_line():
+  from composer_jax.data import repeats
+  docs = repeats.documents(20, seed=3)
+  assert docs == repeats.documents(20, seed=3) and docs != repeats.documents(20, seed=4)
+  for doc in docs:
+    units = doc.split("\n\n")
+    assert len(units) == 4
+    for u in units:
+      lines = u.split("\n")
+      assert 3 <= len(lines) <= 4 and len(set(lines)) == 1 and lines[0].strip()
+  # Fresh lines: no line recurs across documents, so only the copy in front predicts it.
+  firsts = [u.split("\n")[0] for d in docs for u in d.split("\n\n")]
+  assert len(set(firsts)) == len(firsts)
+  corpus = sources.load_corpus(["repeats"], [], heldout_fraction=0.1, max_files=50)
+  assert len(corpus.train[0]) + len(corpus.heldout) == 50 and corpus.heldout
