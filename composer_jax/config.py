@@ -113,7 +113,8 @@ class MeshConfig:
 class DataConfig:
   seq_len: int = 128
   batch_size: int = 8  # global sequences per optimizer step
-  # Sources: "stdlib" (Python source on this machine), or paths to .txt / .jsonl files or dirs.
+  # Sources: "stdlib" / "site-packages" (Python source on this machine), "repeats" (generated copy
+  # data, data/repeats.py), or paths to .txt / .jsonl files or dirs.
   sources: list = field(default_factory=lambda: ["stdlib"])
   weights: list = field(default_factory=list)  # mixture weights, one per source (empty = equal)
   text_field: str = "text"
@@ -184,6 +185,9 @@ class RLConfig:
   max_staleness: int = 1  # versions a trajectory may lag the learner when trained on (older: re-sampled)
   num_workers: int = 1  # Ray rollout actors (1 CPU each)
   ray_address: str = ""  # "" = start Ray locally; else join this cluster (e.g. "auto", "ray://h:10001")
+  # Local Ray only: object store size in MiB, its pages faulted in at start (0 = Ray's default size,
+  # pages faulted in by the puts themselves: a 64 MiB weight put then costs ~4-8 memcpys, not ~1.7).
+  object_store_mb: int = 0
   weight_delta: bool = True  # broadcast XOR deltas between full copies (rl/weights.py)
   full_sync_every: int = 10  # a full weight copy every N versions
   # Sampling.

@@ -108,6 +108,8 @@ def validate(cfg: Config) -> None:
     _require(getattr(r, name) >= 0, f"rl.{name}={getattr(r, name)} must be >= 0")
   _require(r.max_staleness >= 0, f"rl.max_staleness={r.max_staleness} must be >= 0 (0 = on-policy)")
   _require(r.full_sync_every >= 1, f"rl.full_sync_every={r.full_sync_every} must be >= 1")
+  _require(r.object_store_mb == 0 or r.object_store_mb >= 75, f"rl.object_store_mb={r.object_store_mb}: "
+           "Ray's object store needs at least 75 MiB; give >= 75, or 0 for Ray's default")
   for name in ("tasks_per_step", "minibatches", "decode_batch", "max_new_tokens", "num_workers"):
     _require(getattr(r, name) >= 1, f"rl.{name}={getattr(r, name)} must be >= 1")
   _require(r.temperature > 0, f"rl.temperature={r.temperature} must be > 0")

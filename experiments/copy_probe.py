@@ -101,7 +101,7 @@ def main(argv=None) -> dict:
       records = [json.loads(line) for line in f][: args.episodes]
   out = {}
   for d in args.runs:
-    cfg, tok, g, p, r = load_policy(d)
+    _, tok, g, p, r = load_policy(d)
     run = _forward(nnx.merge(g, p, r))
     res = {"induction_acc_per_copy": induction(run, tok)}
     if records:

@@ -20,7 +20,7 @@ from composer_jax.data import repeats
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".jsonl")
 BUILTIN = ("stdlib", "site-packages")
 GENERATED = (repeats.NAME,)  # made in memory (data/repeats.py), not read from files
-GENERATED_DOCS = 4000  # documents of a generated source when data.max_files is 0
+GENERATED_DOCS = 20000  # documents of a generated source (one repeated line each; ~1.2M tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +145,7 @@ def load_corpus(sources: list[str], weights: list[float], *, heldout_fraction: f
   train, heldout = [], []
   for s in sources:
     if s in GENERATED:
-      texts = repeats.documents(max_files or GENERATED_DOCS)
+      texts = repeats.documents(GENERATED_DOCS)
     else:
       texts = read_docs(list_docs(s, max_files=max_files, text_field=text_field))
     tr, ho = split_texts(texts, heldout_fraction)

@@ -191,6 +191,16 @@ class RolloutWorker:
 # --------------------------------------------------------------------------------------------------
 
 
+def _local_ray(rl) -> dict:
+  """ray.init arguments of a local Ray. A sized object store is preallocated: a weight broadcast then
+  writes into pages already mapped (experiments/rl_broadcast.py: 64 MiB put 8 ms vs 37 ms)."""
+  out: dict = {"num_cpus": max(2, rl.num_workers)}
+  if rl.object_store_mb > 0:
+    out.update(object_store_memory=rl.object_store_mb * 2**20,
+               _system_config={"preallocate_plasma_memory": True})
+  return out
+
+
 def _runtime_env() -> dict:
   """JAX on CPU inside actors, one thread pool each; the persistent compilation cache is shared so a
   second (or replacement) worker loads what the first compiled."""
@@ -217,7 +227,7 @@ class Orchestrator:
     self.own_ray = not ray.is_initialized()
     if self.own_ray:
       ray.init(address=rl.ray_address or None, include_dashboard=False, log_to_driver=False,
-               configure_logging=False, **({} if rl.ray_address else {"num_cpus": max(2, rl.num_workers)}))
+               configure_logging=False, **({} if rl.ray_address else _local_ray(rl)))
     self.actor_cls = ray.remote(num_cpus=1, max_restarts=0, concurrency_groups={"weights": 1, "rollouts": 1})(
         worker_cls or RolloutWorker).options(runtime_env=_runtime_env())
     self.publisher = Publisher(rl.full_sync_every, rl.weight_delta, put=ray.put)

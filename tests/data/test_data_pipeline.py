@@ -147,16 +147,16 @@ def test_real_tokenizer_in_the_pipeline():
 
 def test_repeats_source_is_deterministic_and_repeats_every_line():
   from composer_jax.data import repeats
-  docs = repeats.documents(20, seed=3)
-  assert docs == repeats.documents(20, seed=3) and docs != repeats.documents(20, seed=4)
+  docs = repeats.documents(20, seed=3, units=2)
+  assert docs == repeats.documents(20, seed=3, units=2) and docs != repeats.documents(20, seed=4, units=2)
   for doc in docs:
     units = doc.split("\n\n")
-    assert len(units) == 4
+    assert len(units) == 2
     for u in units:
       lines = u.split("\n")
       assert 3 <= len(lines) <= 4 and len(set(lines)) == 1 and lines[0].strip()
   # Fresh lines: no line recurs across documents, so only the copy in front predicts it.
   firsts = [u.split("\n")[0] for d in docs for u in d.split("\n\n")]
   assert len(set(firsts)) == len(firsts)
-  corpus = sources.load_corpus(["repeats"], [], heldout_fraction=0.1, max_files=50)
-  assert len(corpus.train[0]) + len(corpus.heldout) == 50 and corpus.heldout
+  corpus = sources.load_corpus(["repeats"], [], heldout_fraction=0.1)
+  assert len(corpus.train[0]) + len(corpus.heldout) == sources.GENERATED_DOCS and corpus.heldout

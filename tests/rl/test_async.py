@@ -34,6 +34,29 @@ def test_async_key_alias(tmp_path):
     load_config(None, ["rl.max_staleness=-1"])
   with pytest.raises(ConfigError, match="rl.full_sync_every"):
     load_config(None, ["rl.full_sync_every=0"])
+  with pytest.raises(ConfigError, match="rl.object_store_mb"):
+    load_config(None, ["rl.object_store_mb=10"])
+
+
+def test_sized_object_store_is_preallocated_and_serves_weights():
+  """rl.object_store_mb starts a local Ray with a store of that size, its pages faulted in up front;
+  a weight update goes through it bit-exactly."""
+  ray = pytest.importorskip("ray")
+  import numpy as np
+
+  from composer_jax.rl import weights as W
+  from composer_jax.rl.orchestrator import _local_ray
+  assert _local_ray(load_config(None, ["rl.num_workers=3"]).rl) == {"num_cpus": 3}
+  kw = _local_ray(load_config(None, ["rl.object_store_mb=80"]).rl)
+  assert kw["object_store_memory"] == 80 * 2**20 and kw["_system_config"] == {"preallocate_plasma_memory": True}
+  ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, **kw)
+  try:
+    assert ray.available_resources()["object_store_memory"] == pytest.approx(80 * 2**20, rel=0.01)
+    a = np.arange(3 * 2**20, dtype=np.float32)
+    got = W.decode(ray.get(ray.put(W.encode_full(1, ["a"], [a]))), None)[0]
+    np.testing.assert_array_equal(got, a)
+  finally:
+    ray.shutdown()
 
 
 def test_ledger_survives_a_crash_without_losing_or_repeating_a_task():
