@@ -31,14 +31,10 @@ class Doc:
   field: str = "text"
 
   def read(self) -> str:
-    if self.line < 0:
-      with open(self.path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+    if self.line >= 0:
+      return read_docs([self])[0]
     with open(self.path, encoding="utf-8", errors="replace") as f:
-      for i, raw in enumerate(f):
-        if i == self.line:
-          return str(json.loads(raw).get(self.field, ""))
-    return ""
+      return f.read()
 
 
 def _hash_unit(data: bytes) -> float:

@@ -133,6 +133,7 @@ def test_jsonl_source_and_bad_path(tmp_path):
                                               for i in range(30)) + "\n")
   docs = sources.list_docs(str(tmp_path))
   assert len(docs) == 2 + 20 and sources.read_docs(docs) == [d.read() for d in docs]
+  assert sorted(sources.read_docs(docs)) == sorted(["hello", "world"] + [f"t{i}" for i in range(30) if i % 3])
   from composer_jax.config import ConfigError
   with pytest.raises(ConfigError, match="data.sources"):
     sources.list_docs(str(tmp_path / "missing"))
