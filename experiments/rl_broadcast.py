@@ -1,7 +1,9 @@
 """Weight broadcast: (1) time to deliver one weight update to N local Ray workers through the object
 store (one put, N gets, each worker copying the tensors into its own buffers, as a swap into the
 engine does) divided by the time of the plain memory copies of the same bytes (N copies in one
-process); (2) delta bytes / full bytes after one RL step, in bf16 and in f32.
+process); (2) the same for the path an RL step takes (``Publisher.publish``: encode, hash, one put;
+each worker's swap: get, decode, hash check, ``jnp.asarray``), with full and with delta updates;
+(3) delta bytes / full bytes after one RL step, in bf16 and in f32.
 
 "One RL step" here: the tiny MoE of the tests scaled up a little, a policy-gradient loss
 (-advantage x log p of sampled tokens, advantages +-1) on random token rows, one AdamW step from
@@ -57,6 +59,23 @@ def broadcast_ratio(mb: int, n_workers: int, reps: int, warmup: int = 10, store_
         np.copyto(b, a)
       return t1 - t0, time.perf_counter() - t1
 
+  @ray.remote(num_cpus=0)
+  class Worker:
+    """The rollout worker's own path (orchestrator._swap): Receiver.apply (get, decode, hash check)
+    with the store's buffers as views, then jnp.asarray of every tensor."""
+
+    def __init__(self):
+      self.rx = W.Receiver(get=ray.get, copy=False)
+
+    def swap(self, chain):
+      import jax
+      import jax.numpy as jnp
+      t0 = time.perf_counter()
+      self.rx.apply(chain)
+      t1 = time.perf_counter()
+      self.params = jax.block_until_ready([jnp.asarray(a) for a in self.rx.arrays])
+      return t1 - t0, time.perf_counter() - t1
+
   # The RL run's own local Ray (rl.object_store_mb > 0: a store of that size, preallocated).
   ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
            **_local_ray(load_config(None, [f"rl.object_store_mb={store_mb}"]).rl))
@@ -67,7 +86,7 @@ def broadcast_ratio(mb: int, n_workers: int, reps: int, warmup: int = 10, store_
     arrays = _payload(mb)
     nbytes = sum(a.nbytes for a in arrays)
     names = [f"t{i}" for i in range(len(arrays))]
-    upd = W.encode_full(0, names, arrays)  # raw bits (uint16 views), CRC32s; encode timed below
+    upd = W.encode_full(0, names, arrays)  # raw bits (uint16 views), XXH3 hashes; encode timed below
     bc, cp, puts, gets, copies, first = [], [], [], [], [], []
     dst = [[np.empty_like(a) for a in arrays] for _ in range(n_workers)]
     for v in range(reps + warmup):
@@ -92,6 +111,8 @@ def broadcast_ratio(mb: int, n_workers: int, reps: int, warmup: int = 10, store_
         puts.append(tp - t0)
         gets.append(max(g for g, _ in got))
         copies.append(max(c for _, c in got))
+    real = {kind: _real_path(ray, W, Worker, arrays, n_workers, reps, warmup, kind)
+            for kind in ("full", "delta")}
     # The full path with checksums (encode on the learner, decode + verify on a worker).
     t0 = time.perf_counter()
     full = W.encode_full(1, names, arrays)
@@ -108,8 +129,45 @@ def broadcast_ratio(mb: int, n_workers: int, reps: int, warmup: int = 10, store_
           "memcpy_one_copy_s": c / n_workers, "encode_full_with_crc_s": t1 - t0,
           "decode_full_with_crc_s": t2 - t1, "warmup_rounds": warmup, "object_store_mb": store_mb,
           "warmup_broadcast_s": [round(x, 4) for x in first],
+          "real_path": {k: {**v, "ratio": v["broadcast_s"] / c} for k, v in real.items()},
           "note": "broadcast = ray.put + every worker's ray.get and copy into its own buffers; "
                   "denominator = the same N copies by np.copyto in one process"}
+
+
+def _real_path(ray, W, Worker, arrays, n_workers: int, reps: int, warmup: int, kind: str) -> dict:
+  """What an RL step pays: Publisher.publish (encode, hash, one put) on the learner, then every
+  worker's swap (get, decode, hash check, jnp.asarray). ``kind="delta"``: every version after the
+  first full one is a delta in which ~3.4 % of the bf16 elements changed (the changed fraction
+  measured after one AdamW step at lr 1e-6, below)."""
+  import ml_dtypes
+  workers = [Worker.remote() for _ in range(n_workers)]
+  pub = W.Publisher(full_sync_every=10**9 if kind == "delta" else 1, delta=kind == "delta", put=ray.put)
+  rng = np.random.default_rng(1)
+  cur = [a.copy() for a in arrays]
+  ray.get([w.swap.remote(pub.publish(cur, 0)) for w in workers])  # imports jax, first full copy
+  pubs, swaps, totals, nbytes = [], [], [], []
+  for v in range(1, reps + warmup + 1):
+    if kind == "delta":  # flip the low mantissa bit of ~3.4 % of the elements
+      cur = [a.copy() for a in cur]  # new host arrays, as the learner's device_get gives (prev kept)
+      for a in cur:
+        idx = rng.integers(0, a.size, int(0.034 * a.size))
+        a.view(np.uint16)[idx] ^= 1
+    t0 = time.perf_counter()
+    chain = pub.publish(cur, v)
+    t1 = time.perf_counter()
+    got = ray.get([w.swap.remote(chain) for w in workers])
+    t2 = time.perf_counter()
+    if v > warmup:
+      pubs.append(t1 - t0)
+      swaps.append(max(a + b for a, b in got))
+      totals.append(t2 - t0)
+      nbytes.append(pub.last_bytes)
+  for w in workers:
+    ray.kill(w)
+  assert all(a.dtype == ml_dtypes.bfloat16 for a in cur)
+  med = lambda x: float(np.median(x))
+  return {"broadcast_s": med(totals), "publish_s": med(pubs), "worker_swap_s": med(swaps),
+          "bytes_sent": med(nbytes)}
 
 
 def delta_ratio(lrs: list[float]) -> list[dict]:
@@ -177,6 +235,10 @@ def main(argv=None) -> int:
   print(f"broadcast {bc['bytes'] / 2**20:.0f} MiB to {a.workers} workers: {bc['broadcast_s'] * 1e3:.1f} ms "
         f"vs {a.workers} memcpy {bc['memcpy_n_copies_s'] * 1e3:.1f} ms -> {bc['ratio']:.2f}x "
         f"(after {a.warmup} warm-up rounds; first round {bc['warmup_broadcast_s'][0] * 1e3:.1f} ms)")
+  for kind, r in bc["real_path"].items():
+    print(f"  the RL path, {kind} updates: {r['broadcast_s'] * 1e3:.1f} ms -> {r['ratio']:.2f}x "
+          f"(publish {r['publish_s'] * 1e3:.1f} ms, slowest worker swap {r['worker_swap_s'] * 1e3:.1f} ms, "
+          f"{r['bytes_sent'] / 2**20:.1f} MiB sent)")
   deltas = delta_ratio([float(x) for x in a.lrs.split(",")])
   for d in deltas:
     print(f"lr {d['lr']:g} {d['dtype']}: delta/full {d['ratio']:.4f} "

@@ -18,7 +18,7 @@ malformed calls. Those junk turns dominate the negative advantages and their gra
 sound path: measured with top_p=1 (docs/rl.md), RL raised the decision gap from 0.06 to 1.2-1.7 nats
 while the sound run's log p fell from -1.25 to -1.8/-2.7, and the pass rate stayed at 0.44-0.56.
 
-    python -m experiments.rl_learns            # 2 tasks, 150 SFT steps, 8 RL steps (~6 min, 2 cores)
+    python -m experiments.rl_learns            # 2 tasks, 150 SFT steps, 8 RL steps of 2 x 16 rollouts
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -97,19 +98,27 @@ def sft_policy(root: str, wall: dict, *, tasks: int = 2, seed: int = 1, sft_step
 
 
 def run_pipeline(root: str, *, tasks: int = 2, seed: int = 1, sft_steps: int = 150,
-                 rl_steps: int = 8, group_size: int = 8, lr: float = 1e-4, top_p: float = 0.9,
-                 eval_samples: int = 16, log=print) -> dict:
+                 rl_steps: int = 8, group_size: int = 16, lr: float = 1e-4, top_p: float = 0.9,
+                 eval_samples: int = 16, rl_tasks: int = 0, log=print) -> dict:
+  """``rl_tasks`` > 0: RL (and the final evaluation) on only the first that many of the SFT tasks
+  (sorted by id); the others are reported, untrained."""
   t0 = time.perf_counter()
   p = lambda *a: os.path.join(root, *a)
   wall = {}
   sft_policy(root, wall, tasks=tasks, seed=seed, sft_steps=sft_steps, log=log)
   traj = p("trajectories.jsonl")
   before = sequence_logps(p("sft"), traj)
+  rl_dir, n_rl = p("tasks"), tasks
+  if rl_tasks:
+    rl_dir, n_rl = p("rl_tasks"), rl_tasks
+    ids = sorted(d for d in os.listdir(p("tasks")) if os.path.isdir(p("tasks", d)))[:rl_tasks]
+    for d in ids:
+      shutil.copytree(p("tasks", d), os.path.join(rl_dir, d))
   t = time.perf_counter()
-  _cli("rl", CONFIG, "--out", p("rl"), "--init", p("sft"), f"rl.tasks={p('tasks')}", "rl.async=false",
-        f"rl.tasks_per_step={tasks}", f"rl.group_size={group_size}", f"rl.steps={rl_steps}",
+  _cli("rl", CONFIG, "--out", p("rl"), "--init", p("sft"), f"rl.tasks={rl_dir}", "rl.async=false",
+        f"rl.tasks_per_step={n_rl}", f"rl.group_size={group_size}", f"rl.steps={rl_steps}",
         f"rl.top_p={top_p}", f"optim.lr={lr}", "optim.warmup_steps=0", "optim.schedule=constant",
-        "optim.weight_decay=0.0", f"checkpoint.every={rl_steps}", f"rl.eval_tasks={p('tasks')}",
+        "optim.weight_decay=0.0", f"checkpoint.every={rl_steps}", f"rl.eval_tasks={rl_dir}",
         f"eval.samples={eval_samples}", *QUIET)
   wall["rl"] = round(time.perf_counter() - t, 1)
   after = sequence_logps(p("rl"), traj)
@@ -120,7 +129,8 @@ def run_pipeline(root: str, *, tasks: int = 2, seed: int = 1, sft_steps: int = 1
   with open(p("rl", "eval", "summary.json"), encoding="utf-8") as f:
     final = json.load(f)
   return {"steps": [{k: s[k] for k in keys if k in s} for s in steps],
-          "after_rl": {"pass@1": final["pass@1"], "episodes": tasks * eval_samples},
+          "after_rl": {"pass@1": final["pass@1"], "episodes": n_rl * eval_samples},
+          "rl_task_ids": sorted(d for d in os.listdir(rl_dir) if os.path.isdir(os.path.join(rl_dir, d))),
           "sound_logp_before": {r["instance_id"]: r["logp"] for r in before if not r["flawed"]},
           "sound_logp_after": {r["instance_id"]: r["logp"] for r in after if not r["flawed"]},
           "gap_before": decision_gaps(before), "gap_after": decision_gaps(after),
@@ -132,7 +142,8 @@ def main() -> None:
   ap.add_argument("--tasks", type=int, default=2)
   ap.add_argument("--sft-steps", type=int, default=150)
   ap.add_argument("--rl-steps", type=int, default=8)
-  ap.add_argument("--group-size", type=int, default=8)
+  ap.add_argument("--group-size", type=int, default=16)  # 8 is too noisy: docs/rl.md
+  ap.add_argument("--rl-tasks", type=int, default=0, help="RL on the first N SFT tasks only (0 = all)")
   ap.add_argument("--lr", type=float, default=1e-4)
   ap.add_argument("--top-p", type=float, default=0.9)
   ap.add_argument("--seed", type=int, default=1)
@@ -142,7 +153,7 @@ def main() -> None:
   with tempfile.TemporaryDirectory() as root:
     res = run_pipeline(root, tasks=args.tasks, seed=args.seed, sft_steps=args.sft_steps,
                        rl_steps=args.rl_steps, group_size=args.group_size, lr=args.lr,
-                       top_p=args.top_p)
+                       top_p=args.top_p, rl_tasks=args.rl_tasks)
   rewards = [s["reward_mean"] for s in res["steps"]]
   half = max(1, len(rewards) // 4)
   res["reward_first_quarter"] = sum(rewards[:half]) / half

@@ -115,7 +115,9 @@ class RolloutWorker:
     self.id, self.seed = worker_id, seed
     self.graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
     self.treedef = jax.tree_util.tree_structure((params, rest))
-    self.rx = Receiver(get=ray.get)
+    # No host copy of a full update: _swap hands the store's buffers to jnp.asarray, which copies
+    # them to the device (on CPU it may alias them; the arrays then keep the buffers alive).
+    self.rx = Receiver(get=ray.get, copy=False)
     self.lock = threading.Lock()
     self.mailbox: list | None = None
     self.engine = self.runner = None

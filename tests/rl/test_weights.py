@@ -116,3 +116,25 @@ def test_publisher_and_receiver_chain_full_sync_and_recovery():
   late = W.Receiver()
   late.apply(pub.chain)
   assert late.version == 6 and late.full_copies == 1 and _same_bits(late.arrays, want)
+
+
+def test_receiver_without_copy_views_the_full_update_and_never_writes_it():
+  """``copy=False`` (the Ray worker's mode): a full update's tensors are views of the fetched
+  buffers, read-only as the object store's are; deltas on top still land bit-exact, in new arrays."""
+  v0 = _tensors(BF16)
+  v1 = _step(v0, BF16, 0.1)
+  pub = W.Publisher(full_sync_every=10)
+  chain = pub.publish(v0, 0)
+  full = chain[0][2]
+  for d in full.data:
+    d.flags.writeable = False  # as ray.get returns them
+  rx = W.Receiver(copy=False)
+  assert rx.apply(chain) and _same_bits(rx.arrays, v0)
+  assert all(np.shares_memory(a, d) for a, d in zip(rx.arrays, full.data))
+  before = [d.copy() for d in full.data]
+  assert rx.apply(pub.publish(v1, 1)) and _same_bits(rx.arrays, v1)
+  assert all(np.array_equal(d, b) for d, b in zip(full.data, before))  # the store's copy untouched
+  # The default copies: the receiver's tensors are its own.
+  rx2 = W.Receiver()
+  rx2.apply(chain)
+  assert not any(np.shares_memory(a, d) for a, d in zip(rx2.arrays, full.data))
