@@ -2,7 +2,8 @@
 store (one put, N gets, each worker copying the tensors into its own buffers, as a swap into the
 engine does) divided by the time of the plain memory copies of the same bytes (N copies in one
 process); (2) the same for the path an RL step takes (``Publisher.publish``: encode, hash, one put;
-each worker's swap: get, decode, hash check, ``jnp.asarray``), with full and with delta updates;
+each worker's swap: get, decode, hash check, ``jax.device_put``, which on CPU aliases the store's
+buffers instead of copying them), with full and with delta updates;
 (3) delta bytes / full bytes after one RL step, in bf16 and in f32.
 
 "One RL step" here: the tiny MoE of the tests scaled up a little, a policy-gradient loss
@@ -12,7 +13,7 @@ the cast of the master weights before and after (what the rollout workers hold).
 the batch keep their embedding rows bit-identical; in bf16 an update smaller than half an ulp leaves
 the weight unchanged, which is why bf16 deltas are small and f32 deltas are not.
 
-  python experiments/rl_broadcast.py [--mb 64] [--workers 2] [--reps 10] [--warmup 10]
+  python experiments/rl_broadcast.py [--mb 64] [--workers 2,4] [--reps 10] [--warmup 10]
       [--store-mb 512] [--lrs 1e-6,1e-5]
 """
 
@@ -62,19 +63,22 @@ def broadcast_ratio(mb: int, n_workers: int, reps: int, warmup: int = 10, store_
   @ray.remote(num_cpus=0)
   class Worker:
     """The rollout worker's own path (orchestrator._swap): Receiver.apply (get, decode, hash check)
-    with the store's buffers as views, then jnp.asarray of every tensor."""
+    with the store's buffers as views, then weights.to_device of every tensor (on CPU it aliases the
+    aligned buffers; the fraction of bytes aliased is returned)."""
 
     def __init__(self):
       self.rx = W.Receiver(get=ray.get, copy=False)
 
     def swap(self, chain):
       import jax
-      import jax.numpy as jnp
       t0 = time.perf_counter()
       self.rx.apply(chain)
       t1 = time.perf_counter()
-      self.params = jax.block_until_ready([jnp.asarray(a) for a in self.rx.arrays])
-      return t1 - t0, time.perf_counter() - t1
+      self.params = jax.block_until_ready(W.to_device(self.rx.arrays))
+      t2 = time.perf_counter()
+      shared = sum(a.nbytes for a, p in zip(self.rx.arrays, self.params)
+                   if p.unsafe_buffer_pointer() == a.ctypes.data)
+      return t1 - t0, t2 - t1, shared / sum(a.nbytes for a in self.rx.arrays)
 
   # The RL run's own local Ray (rl.object_store_mb > 0: a store of that size, preallocated).
   ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
@@ -136,7 +140,7 @@ def broadcast_ratio(mb: int, n_workers: int, reps: int, warmup: int = 10, store_
 
 def _real_path(ray, W, Worker, arrays, n_workers: int, reps: int, warmup: int, kind: str) -> dict:
   """What an RL step pays: Publisher.publish (encode, hash, one put) on the learner, then every
-  worker's swap (get, decode, hash check, jnp.asarray). ``kind="delta"``: every version after the
+  worker's swap (get, decode, hash check, jax.device_put). ``kind="delta"``: every version after the
   first full one is a delta in which ~3.4 % of the bf16 elements changed (the changed fraction
   measured after one AdamW step at lr 1e-6, below)."""
   import ml_dtypes
@@ -145,7 +149,7 @@ def _real_path(ray, W, Worker, arrays, n_workers: int, reps: int, warmup: int, k
   rng = np.random.default_rng(1)
   cur = [a.copy() for a in arrays]
   ray.get([w.swap.remote(pub.publish(cur, 0)) for w in workers])  # imports jax, first full copy
-  pubs, swaps, totals, nbytes = [], [], [], []
+  pubs, swaps, totals, nbytes, aliased = [], [], [], [], []
   for v in range(1, reps + warmup + 1):
     if kind == "delta":  # flip the low mantissa bit of ~3.4 % of the elements
       cur = [a.copy() for a in cur]  # new host arrays, as the learner's device_get gives (prev kept)
@@ -159,7 +163,8 @@ def _real_path(ray, W, Worker, arrays, n_workers: int, reps: int, warmup: int, k
     t2 = time.perf_counter()
     if v > warmup:
       pubs.append(t1 - t0)
-      swaps.append(max(a + b for a, b in got))
+      swaps.append(max(a + b for a, b, _ in got))
+      aliased.append(min(f for _, _, f in got))
       totals.append(t2 - t0)
       nbytes.append(pub.last_bytes)
   for w in workers:
@@ -167,7 +172,7 @@ def _real_path(ray, W, Worker, arrays, n_workers: int, reps: int, warmup: int, k
   assert all(a.dtype == ml_dtypes.bfloat16 for a in cur)
   med = lambda x: float(np.median(x))
   return {"broadcast_s": med(totals), "publish_s": med(pubs), "worker_swap_s": med(swaps),
-          "bytes_sent": med(nbytes)}
+          "bytes_sent": med(nbytes), "worker_bytes_aliasing_the_store": min(aliased)}
 
 
 def delta_ratio(lrs: list[float]) -> list[dict]:
@@ -224,26 +229,30 @@ def delta_ratio(lrs: list[float]) -> list[dict]:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser()
   ap.add_argument("--mb", type=int, default=64)
-  ap.add_argument("--workers", type=int, default=2)
+  ap.add_argument("--workers", default="2,4", help="worker counts, one run each")
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--warmup", type=int, default=10)
   ap.add_argument("--store-mb", type=int, default=512, help="rl.object_store_mb (0 = Ray's default, lazy)")
   ap.add_argument("--lrs", default="1e-6,1e-5")
   ap.add_argument("--note", default="")
   a = ap.parse_args(argv)
-  bc = broadcast_ratio(a.mb, a.workers, a.reps, a.warmup, a.store_mb)
-  print(f"broadcast {bc['bytes'] / 2**20:.0f} MiB to {a.workers} workers: {bc['broadcast_s'] * 1e3:.1f} ms "
-        f"vs {a.workers} memcpy {bc['memcpy_n_copies_s'] * 1e3:.1f} ms -> {bc['ratio']:.2f}x "
-        f"(after {a.warmup} warm-up rounds; first round {bc['warmup_broadcast_s'][0] * 1e3:.1f} ms)")
-  for kind, r in bc["real_path"].items():
-    print(f"  the RL path, {kind} updates: {r['broadcast_s'] * 1e3:.1f} ms -> {r['ratio']:.2f}x "
-          f"(publish {r['publish_s'] * 1e3:.1f} ms, slowest worker swap {r['worker_swap_s'] * 1e3:.1f} ms, "
-          f"{r['bytes_sent'] / 2**20:.1f} MiB sent)")
+  runs = []
+  for n in [int(x) for x in a.workers.split(",")]:
+    bc = broadcast_ratio(a.mb, n, a.reps, a.warmup, a.store_mb)
+    runs.append(bc)
+    print(f"broadcast {bc['bytes'] / 2**20:.0f} MiB to {n} workers, each copying it: {bc['broadcast_s'] * 1e3:.1f} ms "
+          f"vs {n} memcpy {bc['memcpy_n_copies_s'] * 1e3:.1f} ms -> {bc['ratio']:.2f}x "
+          f"(after {a.warmup} warm-up rounds; first round {bc['warmup_broadcast_s'][0] * 1e3:.1f} ms)")
+    for kind, r in bc["real_path"].items():
+      print(f"  the RL path, {kind} updates: {r['broadcast_s'] * 1e3:.1f} ms -> {r['ratio']:.2f}x "
+            f"(publish {r['publish_s'] * 1e3:.1f} ms, slowest worker swap {r['worker_swap_s'] * 1e3:.1f} ms, "
+            f"{r['bytes_sent'] / 2**20:.1f} MiB sent, {r['worker_bytes_aliasing_the_store']:.0%} of a worker's "
+            "weight bytes alias the store)")
   deltas = delta_ratio([float(x) for x in a.lrs.split(",")])
   for d in deltas:
     print(f"lr {d['lr']:g} {d['dtype']}: delta/full {d['ratio']:.4f} "
           f"(changed elements {d['changed_elements_frac']:.4f})")
-  write_result("rl_broadcast", {"broadcast": bc, "delta": deltas, "note": a.note})
+  write_result("rl_broadcast", {"broadcast": runs, "delta": deltas, "note": a.note})
   return 0
 
 

@@ -209,7 +209,9 @@ def run_setup(repo: str, recipe: Recipe, limits: Limits, mode: str = "auto",
 def verify(repo: str, recipe: Recipe, limits: Limits, mode: str = "auto",
            min_pass_fraction: float = 0.8, model_proposed: bool = False) -> dict:
   """Imports work, tests collect, most tests pass. Returns the numbers; raises SetupError if not."""
-  from composer_jax.env.grading import parse_junit  # grading imports tasks; avoid a cycle at import
+  from composer_jax.env.grading import (
+    parse_junit,  # grading imports tasks; avoid a cycle at import
+  )
   from composer_jax.env.guards import installed_copies
   env = recipe_env(recipe, repo)
   with tempfile.TemporaryDirectory(prefix="cj-verify-") as report_dir:

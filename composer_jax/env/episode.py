@@ -18,7 +18,13 @@ from typing import Protocol, runtime_checkable
 
 from composer_jax.env import guards
 from composer_jax.env.grading import grade, test_env
-from composer_jax.env.protocol import ParseError, describe_tools, format_call, format_observation, parse
+from composer_jax.env.protocol import (
+  ParseError,
+  describe_tools,
+  format_call,
+  format_observation,
+  parse,
+)
 from composer_jax.env.sandbox import Limits, Sandbox, require_isolation
 from composer_jax.env.tasks import Task, read_text
 from composer_jax.env.tools import SPECS, ToolBox
@@ -46,7 +52,7 @@ class Policy(Protocol):
 
   def reset(self, task: Task) -> None: ...
 
-  def __call__(self, messages: list[dict]) -> "Turn | str": ...
+  def __call__(self, messages: list[dict]) -> Turn | str: ...
 
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -150,7 +156,7 @@ class Episode:
                           {"role": "user", "content": task.prompt(self.verbose_prompt)}]
     return list(self.traj.messages)
 
-  def act(self, turn: "Turn | str") -> dict:
+  def act(self, turn: Turn | str) -> dict:
     """Run the calls of one assistant message; returns the tool message (``self.done`` when over)."""
     turn = turn if isinstance(turn, Turn) else Turn(str(turn))
     traj = self.traj

@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Callable
+from collections.abc import Callable
 
 from composer_jax.env.guards import is_test_path
 

@@ -21,7 +21,8 @@ import time
 import zipfile
 from collections import Counter
 
-from composer_jax.env import autoinstall, feature_deletion as fd, guards
+from composer_jax.env import autoinstall, guards
+from composer_jax.env import feature_deletion as fd
 from composer_jax.env.grading import run_tests
 from composer_jax.env.sandbox import Limits
 from composer_jax.env.tasks import Task, read_text, save_task

@@ -209,7 +209,7 @@ def format_observation(tool: str, text: str, ok: bool = True) -> str:
 
 
 OBSERVATION = re.compile(r'<observation tool="([^"]*)" status="(ok|error)">\n(.*?)\n</observation>',
-                         re.S)
+                         re.DOTALL)
 
 
 def parse_observations(text: str) -> list[tuple[str, bool, str]]:

@@ -26,7 +26,7 @@ def _under(path: str, roots) -> bool:
 _CALLS = itertools.count()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cgroup_base() -> str | None:
   """A pids-cgroup folder this process may make children in, or None (then rlimits only)."""
   try:
@@ -129,7 +129,7 @@ def _release_cgroup(path: str) -> None:
 
 @atexit.register
 def _release_pending() -> None:
-  for p in list(_PENDING):
+  for p in _PENDING:
     _remove_cgroup(p)
 
 

@@ -50,7 +50,7 @@ import sys
 import sysconfig
 import tempfile
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from composer_jax.env.reaper import (
   _CALLS,
@@ -84,7 +84,7 @@ class Limits:
   max_output_chars: int = 8000
 
   @classmethod
-  def from_config(cls, env) -> "Limits":
+  def from_config(cls, env) -> Limits:
     return cls(timeout_s=env.timeout_s, memory_mb=env.memory_mb, max_procs=env.max_procs,
                max_file_mb=env.max_file_mb, max_output_chars=env.max_output_chars)
 
@@ -113,7 +113,7 @@ _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-
 _ETC_NET = ("resolv.conf", "gai.conf", "host.conf")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _system_args(network: bool) -> tuple[str, ...]:
   """Read-only binds (and symlinks) of the system runtime and the few /etc files it needs."""
   args: list[str] = []
@@ -141,7 +141,7 @@ def _mapped_libraries() -> list[str]:
   return sorted(p for p in libs if p.startswith("/") and os.path.isfile(p))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def interpreter_paths() -> tuple[str, ...]:
   """Host paths the running interpreter needs, minimal (none lies under another) and existing."""
   cands = [sys.prefix, sys.base_prefix, sys.exec_prefix, getattr(sys, "base_exec_prefix", sys.prefix),
@@ -168,7 +168,7 @@ def _user_site() -> str | None:
   return user if user and user in sys.path and os.path.isdir(user) else None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _interpreter_args() -> tuple[str, ...]:
   args: list[str] = []
   for p in interpreter_paths():
@@ -179,7 +179,7 @@ def _interpreter_args() -> tuple[str, ...]:
   return tuple(args)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def search_path() -> str:
   """``PATH`` inside: the interpreter's script directories first, then the system's."""
   dirs = [os.path.dirname(sys.executable), os.path.join(sys.prefix, "bin"),

@@ -23,7 +23,12 @@ def register(subparsers) -> None:
 def _eval(args) -> int:
   from composer_jax.env.sandbox import Limits
   from composer_jax.env.tasks import TaskError, load_tasks
-  from composer_jax.eval.harness import SCRIPTED, PolicyError, make_policy_factory, run_eval
+  from composer_jax.eval.harness import (
+    SCRIPTED,
+    PolicyError,
+    make_policy_factory,
+    run_eval,
+  )
   cfg = load_config(args.config, args.overrides)
   samples = cfg.eval.samples if args.samples is None else args.samples
   if samples < 1:

@@ -6,10 +6,10 @@ import concurrent.futures as cf
 import json
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from composer_jax.env.episode import NullPolicy, OraclePolicy, run_episode
-from composer_jax.env.guards import is_hack, Flag
+from composer_jax.env.guards import Flag, is_hack
 from composer_jax.env.sandbox import Limits
 from composer_jax.env.tasks import Task
 from composer_jax.eval.bench import summarize

@@ -106,7 +106,7 @@ class RolloutWorker:
     from composer_jax.model.build import abstract_model
     from composer_jax.rl.agent import RolloutRunner
     from composer_jax.rl.loop import load_task_set
-    from composer_jax.rl.weights import Receiver
+    from composer_jax.rl.weights import Receiver, to_device
     self.born = time.perf_counter()
     self.cfg = cfg = from_dict(cfg_dict)
     self.mode = require_isolation(cfg.env.sandbox, "model-driven episodes")
@@ -115,8 +115,8 @@ class RolloutWorker:
     self.id, self.seed = worker_id, seed
     self.graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
     self.treedef = jax.tree_util.tree_structure((params, rest))
-    # No host copy of a full update: _swap hands the store's buffers to jnp.asarray, which copies
-    # them to the device (on CPU it may alias them; the arrays then keep the buffers alive).
+    # No host copy of a full update: _swap hands the store's read-only buffers to weights.to_device,
+    # which on CPU aliases them (the workers share one copy; the engine donates only its caches).
     self.rx = Receiver(get=ray.get, copy=False)
     self.lock = threading.Lock()
     self.mailbox: list | None = None
@@ -124,7 +124,7 @@ class RolloutWorker:
     self.busy_s = 0.0
     self.busy = False
     self.swaps = 0
-    self._RolloutRunner = RolloutRunner
+    self._RolloutRunner, self._to_device = RolloutRunner, to_device
 
   # -- weights group ------------------------------------------------------------------------------
 
@@ -139,12 +139,11 @@ class RolloutWorker:
 
   def _swap(self) -> None:
     import jax
-    import jax.numpy as jnp
     with self.lock:
       chain, self.mailbox = self.mailbox, None
     if chain is None or not self.rx.apply(chain):
       return
-    params, rest = jax.tree_util.tree_unflatten(self.treedef, [jnp.asarray(a) for a in self.rx.arrays])
+    params, rest = jax.tree_util.tree_unflatten(self.treedef, self._to_device(self.rx.arrays))
     if self.engine is None:
       rl = self.cfg.rl
       self.engine = _swap_engine_class()(self.graphdef, params, rest, self.cfg, n_slots=rl.decode_batch,

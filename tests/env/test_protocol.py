@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from composer_jax.env.protocol import (ParseError, ToolCall, format_call, format_observation, parse,
-                                       parse_observations)
+from composer_jax.env.protocol import (
+  ParseError,
+  ToolCall,
+  format_call,
+  format_observation,
+  parse,
+  parse_observations,
+)
 from composer_jax.env.tools import SPECS
 
 

@@ -7,7 +7,13 @@ import os
 import subprocess
 
 from composer_jax.env import guards
-from composer_jax.env.episode import NullPolicy, OraclePolicy, Turn, run_episode, start_workspace
+from composer_jax.env.episode import (
+  NullPolicy,
+  OraclePolicy,
+  Turn,
+  run_episode,
+  start_workspace,
+)
 from composer_jax.env.grading import grade, parse_junit, verdict
 from composer_jax.env.protocol import format_call
 from composer_jax.env.tasks import REQUIRED, load_task, load_tasks

@@ -8,7 +8,12 @@ import math
 import numpy as np
 import pytest
 
-from composer_jax.eval.bench import comb_ratio_reference, pass_at_k, pass_hat_k, summarize
+from composer_jax.eval.bench import (
+  comb_ratio_reference,
+  pass_at_k,
+  pass_hat_k,
+  summarize,
+)
 
 
 def test_against_exact_combinatorics():
@@ -38,7 +43,7 @@ def test_large_n_is_stable():
 
 
 def test_summarize():
-  rec = lambda ok, tok: {"reward": float(ok), "resolved": ok, "completion_tokens": tok,  # noqa: E731
+  rec = lambda ok, tok: {"reward": float(ok), "resolved": ok, "completion_tokens": tok,
                          "tool_calls": 2, "format_errors": 0, "wall_s": 1.0}
   s = summarize({"a": [rec(True, 10), rec(False, 30)], "b": [rec(False, 20), rec(False, 40)]}, [1, 2, 5])
   assert s["pass@1"] == pytest.approx(0.25) and s["pass@2"] == pytest.approx(0.5)

@@ -20,6 +20,7 @@ from composer_jax.parallel.mesh import build_mesh
 from composer_jax.parallel.rules import make_rules, spec_for, variable_axes
 from tests.hf.helpers import hf_tensors, leaves, our_model
 
+
 def assert_same_leaves(a, b):
   la, lb = leaves(a), leaves(b)
   assert la.keys() == lb.keys()

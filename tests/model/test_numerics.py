@@ -11,10 +11,8 @@ import pytest
 from flax import nnx
 
 from composer_jax.config import load_config
-from composer_jax.model import build_model
-from composer_jax.model import layers, routing
+from composer_jax.model import build_model, layers, routing
 from composer_jax.model.moe import dropless_moe
-
 from tests.model import reference as ref
 
 RTOL = 2e-4

@@ -138,3 +138,32 @@ def test_receiver_without_copy_views_the_full_update_and_never_writes_it():
   rx2 = W.Receiver()
   rx2.apply(chain)
   assert not any(np.shares_memory(a, d) for a, d in zip(rx2.arrays, full.data))
+
+
+def test_to_device_shares_the_fetched_buffers_and_keeps_them_alive():
+  """A worker's swap copies no aligned tensor: ``to_device`` aliases read-only 64-byte-aligned
+  buffers (what ``ray.get`` returns for tensors of 2 KiB and more), and the jax arrays keep them
+  alive after every other reference is gone. A misaligned small tensor is copied, with the same
+  values."""
+  import gc
+
+  rng = np.random.default_rng(0)
+  want = [rng.standard_normal((64, 32)).astype(BF16), rng.standard_normal(3).astype(np.float32)]
+  store = np.zeros(8192 + 64 + 128, np.uint8)  # one buffer, as the object store's mapping is
+  base = (-store.ctypes.data) % 64
+  big = store[base:base + want[0].nbytes].view(BF16).reshape(want[0].shape)
+  small = store[base + 8192 + 4:base + 8192 + 16].view(np.float32)  # 4 bytes past a 64-byte line
+  big[...], small[...] = want
+  store.flags.writeable = False
+  views = [store[base:base + want[0].nbytes].view(BF16).reshape(want[0].shape),
+           store[base + 8192 + 4:base + 8192 + 16].view(np.float32)]
+  del big, small
+  out = W.to_device(views)
+  assert out[0].unsafe_buffer_pointer() == views[0].ctypes.data  # shared, not copied
+  assert out[1].unsafe_buffer_pointer() != views[1].ctypes.data  # misaligned: copied
+  del views, store
+  gc.collect()
+  junk = [np.full(1 << 16, 7.0) for _ in range(64)]  # reuse freed memory if it had been freed
+  for o, w in zip(out, want):
+    assert _same_bits([np.asarray(o)], [w])
+  del junk
