@@ -1,7 +1,6 @@
 """Weight broadcast: (1) time to deliver one weight update to N local Ray workers through the object
-store (one put, N gets, each worker copying the tensors into its own buffers, as a swap into the
-engine does) divided by the time of the plain memory copies of the same bytes (N copies in one
-process); (2) the same for the path an RL step takes (``Publisher.publish``: encode, hash, one put;
+store (one put, N gets, each worker copying the tensors into its own buffers: the transport alone)
+divided by the time of the plain memory copies of the same bytes (N copies in one process); (2) the same for the path an RL step takes (``Publisher.publish``: encode, hash, one put;
 each worker's swap: get, decode, hash check, ``jax.device_put``, which on CPU aliases the store's
 buffers instead of copying them), with full and with delta updates;
 (3) delta bytes / full bytes after one RL step, in bf16 and in f32.

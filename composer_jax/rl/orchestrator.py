@@ -106,7 +106,7 @@ class RolloutWorker:
     from composer_jax.model.build import abstract_model
     from composer_jax.rl.agent import RolloutRunner
     from composer_jax.rl.loop import load_task_set
-    from composer_jax.rl.weights import Receiver, to_device
+    from composer_jax.rl.weights import Receiver
     self.born = time.perf_counter()
     self.cfg = cfg = from_dict(cfg_dict)
     self.mode = require_isolation(cfg.env.sandbox, "model-driven episodes")
@@ -124,7 +124,7 @@ class RolloutWorker:
     self.busy_s = 0.0
     self.busy = False
     self.swaps = 0
-    self._RolloutRunner, self._to_device = RolloutRunner, to_device
+    self._RolloutRunner = RolloutRunner
 
   # -- weights group ------------------------------------------------------------------------------
 
@@ -139,11 +139,13 @@ class RolloutWorker:
 
   def _swap(self) -> None:
     import jax
+
+    from composer_jax.rl.weights import to_device
     with self.lock:
       chain, self.mailbox = self.mailbox, None
     if chain is None or not self.rx.apply(chain):
       return
-    params, rest = jax.tree_util.tree_unflatten(self.treedef, self._to_device(self.rx.arrays))
+    params, rest = jax.tree_util.tree_unflatten(self.treedef, to_device(self.rx.arrays))
     if self.engine is None:
       rl = self.cfg.rl
       self.engine = _swap_engine_class()(self.graphdef, params, rest, self.cfg, n_slots=rl.decode_batch,

@@ -99,8 +99,8 @@ def decode(update: Update, prev: list | None, copy: bool = True) -> list[np.ndar
   """The tensors of ``update`` (a delta applies to ``prev``); raises ChecksumError on a mismatch.
 
   ``copy=False`` returns a full update's tensors as views of its buffers (read-only, zero-copy
-  views of the object store after ``ray.get``): for a caller that copies them into device buffers
-  next anyway, one host copy of every byte (and the page faults of a fresh allocation) fewer.
+  views of the object store after ``ray.get``), for a caller that hands them to ``to_device``: no
+  host copy of any byte (nor the page faults of a fresh allocation).
   """
   if update.kind == "full":
     out = [(np.array(a, copy=True) if copy else a).view(_dtype(d))
