@@ -1,8 +1,9 @@
 """Weight broadcast: (1) time to deliver one weight update to N local Ray workers through the object
 store (one put, N gets, each worker copying the tensors into its own buffers: the transport alone)
-divided by the time of the plain memory copies of the same bytes (N copies in one process); (2) the same for the path an RL step takes (``Publisher.publish``: encode, hash, one put;
-each worker's swap: get, decode, hash check, ``jax.device_put``, which on CPU aliases the store's
-buffers instead of copying them), with full and with delta updates;
+divided by the time of the plain memory copies of the same bytes (N copies in one process); (2) the
+same for the path an RL step takes (``Publisher.publish``: encode, one put, hashes only in delta
+mode; each worker's swap: get, decode, a hash check in delta mode, ``jax.device_put``, which on CPU
+aliases the store's buffers instead of copying them), with full and with delta updates;
 (3) delta bytes / full bytes after one RL step, in bf16 and in f32.
 
 "One RL step" here: the tiny MoE of the tests scaled up a little, a policy-gradient loss
@@ -61,7 +62,7 @@ def broadcast_ratio(mb: int, n_workers: int, reps: int, warmup: int = 10, store_
 
   @ray.remote(num_cpus=0)
   class Worker:
-    """The rollout worker's own path (orchestrator._swap): Receiver.apply (get, decode, hash check)
+    """The rollout worker's own path (orchestrator._swap): Receiver.apply (get, decode; hash check in delta mode)
     with the store's buffers as views, then weights.to_device of every tensor (on CPU it aliases the
     aligned buffers; the fraction of bytes aliased is returned)."""
 
@@ -138,8 +139,8 @@ def broadcast_ratio(mb: int, n_workers: int, reps: int, warmup: int = 10, store_
 
 
 def _real_path(ray, W, Worker, arrays, n_workers: int, reps: int, warmup: int, kind: str) -> dict:
-  """What an RL step pays: Publisher.publish (encode, hash, one put) on the learner, then every
-  worker's swap (get, decode, hash check, jax.device_put). ``kind="delta"``: every version after the
+  """What an RL step pays: Publisher.publish (encode, hash if delta, one put) on the learner, then
+  every worker's swap (get, decode, hash check if delta, jax.device_put). ``kind="delta"``: every version after the
   first full one is a delta in which ~3.4 % of the bf16 elements changed (the changed fraction
   measured after one AdamW step at lr 1e-6, below)."""
   import ml_dtypes

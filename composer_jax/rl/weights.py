@@ -9,6 +9,8 @@ hash of its new bytes, so a worker whose base differs from the learner's (a miss
 buffer) notices and asks for a full copy instead of sampling with wrong weights. XXH3 rather than
 zlib's CRC32: 64 MiB hash in ~2 ms against ~16 ms on this 2-core machine, and the hash runs twice
 per tensor per update (learner and every worker), so CRC32 alone cost more than the object-store put.
+A full-only broadcast (``delta=False``) carries no hashes: with no delta to apply there is no base to
+check, and the two hashes were ~4 ms of a 19 ms broadcast of 64 MiB to 2 workers.
 
 The learner side (``Publisher``) puts each update into the Ray object store once (one put, many
 gets) and hands workers the *chain* of refs since the last full sync (``rl.full_sync_every``); a
@@ -40,7 +42,7 @@ class Update:
   # full: each tensor's raw bits as an unsigned-int array (bf16 -> uint16: pickle protocol 5, and so
   # Ray's zero-copy path, only handles builtin dtypes); delta: zlib(XOR bytes) or None (unchanged)
   data: list
-  checksums: list  # XXH3-64 of each tensor's new raw bytes
+  checksums: list | None  # XXH3-64 of each tensor's new raw bytes (None: not checked, see encode_full)
   dtypes: tuple = ()
   shapes: tuple = ()
 
@@ -75,10 +77,14 @@ def flatten(tree) -> tuple[tuple, list[np.ndarray]]:
   return names, [np.asarray(v) for _, v in leaves]
 
 
-def encode_full(version: int, names, arrays) -> Update:
+def encode_full(version: int, names, arrays, checksums: bool = True) -> Update:
+  """Every tensor's raw bits. ``checksums=False`` (a full-only broadcast, ``rl.weight_delta=false``)
+  leaves the hashes out: they exist to catch a delta applied to the wrong base, and a full copy is
+  read straight from the store as the learner wrote it. Hashing it on the learner and again on every
+  worker was a fifth of a full broadcast (experiments/rl_broadcast.py)."""
   arrays = [np.ascontiguousarray(a) for a in arrays]
   return Update(version, "full", -1, tuple(names), [_bits(a).reshape(a.shape) for a in arrays],
-                [checksum(a) for a in arrays],
+                [checksum(a) for a in arrays] if checksums else None,
                 tuple(str(a.dtype) for a in arrays), tuple(a.shape for a in arrays))
 
 
@@ -118,7 +124,7 @@ def decode(update: Update, prev: list | None, copy: bool = True) -> list[np.ndar
       if x.shape != bits.shape:
         raise ChecksumError(f"delta to version {update.version}: tensor sizes differ")
       out.append(np.bitwise_xor(bits, x).view(p.dtype).reshape(p.shape))
-  for name, a, s in zip(update.names, out, update.checksums):
+  for name, a, s in zip(update.names, out, update.checksums or (), strict=False):
     if checksum(a) != s:
       raise ChecksumError(f"tensor {name} of version {update.version} fails its checksum")
   return out
@@ -154,7 +160,7 @@ class Publisher:
     since_full = version - self.chain[0][0] if self.chain else None
     if (not self.delta or self.prev is None or names != self.names or since_full is None
         or since_full >= self.every):
-      upd = encode_full(version, names, arrays)
+      upd = encode_full(version, names, arrays, checksums=self.delta)
       self.chain = []
     else:
       upd = encode_delta(version, self.chain[-1][0], names, self.prev, arrays)

@@ -118,6 +118,25 @@ def test_publisher_and_receiver_chain_full_sync_and_recovery():
   assert late.version == 6 and late.full_copies == 1 and _same_bits(late.arrays, want)
 
 
+def test_full_only_broadcast_skips_the_hashes_and_delta_mode_keeps_them(monkeypatch):
+  """``delta=False``: every version is a full copy with no checksums, and neither end hashes a byte;
+  with deltas on, the full syncs still carry hashes (the base the next delta is checked against)."""
+  v0 = _tensors(BF16)
+  v1 = _step(v0, BF16, 0.1)
+  calls = []
+  real = W.checksum
+  monkeypatch.setattr(W, "checksum", lambda a: calls.append(1) or real(a))
+  pub, rx = W.Publisher(delta=False), W.Receiver()
+  for v, t in enumerate((v0, v1)):
+    chain = pub.publish(t, v)
+    assert [c[1] for c in chain] == ["full"] and chain[0][2].checksums is None
+    assert rx.apply(chain) and rx.version == v and _same_bits(rx.arrays, t)
+  assert not calls
+  full = W.Publisher(delta=True).publish(v0, 0)[0][2]
+  assert full.kind == "full" and full.checksums == [real(a) for a in v0]
+  assert len(calls) == len(v0)
+
+
 def test_receiver_without_copy_views_the_full_update_and_never_writes_it():
   """``copy=False`` (the Ray worker's mode): a full update's tensors are views of the fetched
   buffers, read-only as the object store's are; deltas on top still land bit-exact, in new arrays."""
