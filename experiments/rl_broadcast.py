@@ -62,9 +62,9 @@ def broadcast_ratio(mb: int, n_workers: int, reps: int, warmup: int = 10, store_
 
   @ray.remote(num_cpus=0)
   class Worker:
-    """The rollout worker's own path (orchestrator._swap): Receiver.apply (get, decode; hash check in delta mode)
-    with the store's buffers as views, then weights.to_device of every tensor (on CPU it aliases the
-    aligned buffers; the fraction of bytes aliased is returned)."""
+    """The rollout worker's own path (orchestrator._swap): Receiver.apply (get, decode; a hash
+    check in delta mode) with the store's buffers as views, then weights.to_device of every tensor
+    (on CPU it aliases the aligned buffers; the fraction of bytes aliased is returned)."""
 
     def __init__(self):
       self.rx = W.Receiver(get=ray.get, copy=False)
@@ -140,9 +140,9 @@ def broadcast_ratio(mb: int, n_workers: int, reps: int, warmup: int = 10, store_
 
 def _real_path(ray, W, Worker, arrays, n_workers: int, reps: int, warmup: int, kind: str) -> dict:
   """What an RL step pays: Publisher.publish (encode, hash if delta, one put) on the learner, then
-  every worker's swap (get, decode, hash check if delta, jax.device_put). ``kind="delta"``: every version after the
-  first full one is a delta in which ~3.4 % of the bf16 elements changed (the changed fraction
-  measured after one AdamW step at lr 1e-6, below)."""
+  every worker's swap (get, decode, hash check if delta, jax.device_put). ``kind="delta"``: every
+  version after the first full one is a delta in which ~3.4 % of the bf16 elements changed (the
+  changed fraction measured after one AdamW step at lr 1e-6, below)."""
   import ml_dtypes
   workers = [Worker.remote() for _ in range(n_workers)]
   pub = W.Publisher(full_sync_every=10**9 if kind == "delta" else 1, delta=kind == "delta", put=ray.put)

@@ -78,10 +78,7 @@ def flatten(tree) -> tuple[tuple, list[np.ndarray]]:
 
 
 def encode_full(version: int, names, arrays, checksums: bool = True) -> Update:
-  """Every tensor's raw bits. ``checksums=False`` (a full-only broadcast, ``rl.weight_delta=false``)
-  leaves the hashes out: they exist to catch a delta applied to the wrong base, and a full copy is
-  read straight from the store as the learner wrote it. Hashing it on the learner and again on every
-  worker was a fifth of a full broadcast (experiments/rl_broadcast.py)."""
+  """Every tensor's raw bits; ``checksums=False`` for a full-only broadcast (module docstring)."""
   arrays = [np.ascontiguousarray(a) for a in arrays]
   return Update(version, "full", -1, tuple(names), [_bits(a).reshape(a.shape) for a in arrays],
                 [checksum(a) for a in arrays] if checksums else None,
@@ -124,7 +121,9 @@ def decode(update: Update, prev: list | None, copy: bool = True) -> list[np.ndar
       if x.shape != bits.shape:
         raise ChecksumError(f"delta to version {update.version}: tensor sizes differ")
       out.append(np.bitwise_xor(bits, x).view(p.dtype).reshape(p.shape))
-  for name, a, s in zip(update.names, out, update.checksums or (), strict=False):
+  if update.checksums is None:  # a full-only broadcast's update (encode_full)
+    return out
+  for name, a, s in zip(update.names, out, update.checksums, strict=True):
     if checksum(a) != s:
       raise ChecksumError(f"tensor {name} of version {update.version} fails its checksum")
   return out
