@@ -113,8 +113,8 @@ class MeshConfig:
 class DataConfig:
   seq_len: int = 128
   batch_size: int = 8  # global sequences per optimizer step
-  # Sources: "stdlib" / "site-packages" (Python source on this machine), "repeats" (generated copy
-  # data, data/repeats.py), or paths to .txt / .jsonl files or dirs.
+  # Sources: "stdlib" / "site-packages" (Python source on this machine), "repeats" / "code_repeats"
+  # (generated copy data, data/repeats.py), or paths to .txt / .jsonl files or dirs.
   sources: list = field(default_factory=lambda: ["stdlib"])
   weights: list = field(default_factory=list)  # mixture weights, one per source (empty = equal)
   text_field: str = "text"
@@ -270,6 +270,10 @@ class RunConfig:
   heldout_tasks: int = 40  # unseen instances of the training templates (the RL target)
   unseen_tasks: int = 20  # templates that no stage trains on (reported in their own row)
   task_seed: int = 1
+  # A base model the pretraining stage continues from (an HF folder, a `convert --from-hf` folder
+  # or a training run; its tokenizer.json when it has one), as Composer continues from Kimi K2.
+  # Empty: random init and a tokenizer trained on the corpus.
+  base: str = ""
   train_templates: str = "implement,fix_bug,method,two_file"
   unseen_templates: str = "rename,fix_method"
   eval_samples: int = 4  # samples per held-out task (pass@1 and pass@k)

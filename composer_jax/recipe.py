@@ -1,6 +1,7 @@
 """``composer-jax run CONFIG --out DIR``: the whole recipe in one command.
 
   1. tokenizer + continued pretraining on the code corpus        DIR/pretrain
+     (from ``run.base`` and its tokenizer when set, else from random weights)
   2. synthetic coding tasks: train, held-out instances of the     DIR/tasks/{train,heldout,unseen}
      training templates, and templates no stage trains on
   3. scripted-expert trajectories through the real tools          DIR/sft/trajectories.jsonl
@@ -142,7 +143,7 @@ class Recipe:
     r = self.cfg.run
     from composer_jax.config import dump_config
     dump_config(self.cfg, self.path("config.yaml"))
-    self.stage("pretrain", lambda: self._train("pretrain", r.pretrain_overrides, None))
+    self.stage("pretrain", lambda: self._train("pretrain", r.pretrain_overrides, r.base or None))
     self.stage("tasks", self._tasks)
     self.stage("expert", self._expert)
     self.stage("sft", lambda: self._train(
@@ -213,6 +214,9 @@ def _main(args) -> int:
   cfg = load_config(args.config, args.overrides)
   for name in ("sft_overrides", "rl_overrides", "pretrain_overrides", "eval_overrides"):
     stage_config(cfg, getattr(cfg.run, name))  # a bad stage override fails now, in one line
+  if cfg.run.base:  # before any stage: a wrong base is one line, not a failed pretraining stage
+    from composer_jax.train.init import check_base
+    check_base(cfg.run.base, cfg.model)
   from composer_jax.env.sandbox import SandboxError, require_isolation
   try:
     require_isolation(cfg.env.sandbox, "the main job (model-driven evaluation and RL)")

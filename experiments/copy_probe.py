@@ -2,22 +2,27 @@
 
   python -m experiments.copy_probe RUN_DIR [RUN_DIR ...] [--trajectories HELDOUT.jsonl]
 
-1. Induction: fresh lines of the ``repeats`` alphabet (composer_jax/data/repeats.py) written three
-   times; greedy accuracy per copy. A model that copies scores far higher on copies 2 and 3 than on
-   copy 1 (which nothing predicts).
+1. Induction: fresh lines written three times; greedy accuracy per copy. A model that copies scores
+   far higher on copies 2 and 3 than on copy 1. Two kinds of line: random words of the ``repeats``
+   alphabet (composer_jax/data/repeats.py; nothing predicts copy 1), and lines of this repository's
+   own Python (code tokens, as the tasks copy; not in the stdlib corpus, so copy 1 is only as
+   predictable as code is).
 2. With ``--trajectories`` (scripted-expert runs of held-out tasks, e.g. ``tasks expert`` on
    ``DIR/tasks/heldout``): teacher-forced, the probability of the first token of the file name in
    the first call (``view <path>NAME.py``), whose only source is the prompt; its top-1 rate; and the
    fraction of assistant turns reproduced exactly by greedy argmax, per turn index.
 
 The synthetic tasks draw module names from 20, so a model that ignores the prompt puts about 0.05
-on the right first name token. Writes experiments/results/copy_probe.json.
+on the right first name token. Writes experiments/results/<--name>.json (default copy_probe).
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
+import pathlib
 import random
 
 import jax.numpy as jnp
@@ -42,11 +47,20 @@ def _forward(model):
   return run
 
 
-def induction(run, tok, n: int = 16, words: int = 14, seed: int = 99) -> list[float]:
+def code_lines(n: int = 16, seed: int = 99) -> list[str]:
+  """``n`` distinct lines of 30-90 characters from this repository's Python, sorted then drawn."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  files = sorted(glob.glob(os.path.join(root, "composer_jax", "**", "*.py"), recursive=True))
+  pool = sorted({ln.strip() for f in files for ln in pathlib.Path(f).read_text().splitlines()
+                 if 30 <= len(ln.strip()) <= 90})
+  return random.Random(seed).sample(pool, n)
+
+
+def induction(run, tok, n: int = 16, words: int = 14, seed: int = 99, lines: list[str] | None = None) -> list[float]:
   rng = random.Random(seed)
   acc = []
-  for _ in range(n):
-    line = " ".join(repeats._word(rng) for _ in range(words)) + "\n"
+  for i in range(n):
+    line = (lines[i] if lines else " ".join(repeats._word(rng) for _ in range(words))) + "\n"
     k = len(tok.encode(line))
     ids = tok.encode(line * 3)
     hit = run(ids)[:-1].argmax(-1) == np.asarray(ids[1:])
@@ -94,6 +108,8 @@ def main(argv=None) -> dict:
   ap.add_argument("runs", nargs="+")
   ap.add_argument("--trajectories", default="")
   ap.add_argument("--episodes", type=int, default=40)
+  ap.add_argument("--name", default="copy_probe",
+                  help="results file name (experiments/results/NAME.json); scratch probes use another")
   args = ap.parse_args(argv)
   records = []
   if args.trajectories:
@@ -103,12 +119,13 @@ def main(argv=None) -> dict:
   for d in args.runs:
     _, tok, g, p, r = load_policy(d)
     run = _forward(nnx.merge(g, p, r))
-    res = {"induction_acc_per_copy": induction(run, tok)}
+    res = {"induction_acc_per_copy": induction(run, tok),
+           "code_induction_acc_per_copy": induction(run, tok, lines=code_lines())}
     if records:
       res["heldout_first_call"] = first_call(run, tok, records)
     out[d] = res
     print(d, json.dumps(res), flush=True)
-  write_result("copy_probe", {"runs": out,
+  write_result(args.name, {"runs": out,
                               "trajectories": args.trajectories})
   return out
 

@@ -7,6 +7,7 @@ its SFT it predicted the old text of an edit from memorised variable names, not 
 just above (docs/rl.md, "Copying"). This source makes copying the only way to lower most of its
 loss: a fresh random line, then the same line again. Mix a share of it into pretraining
 (``data.sources: [stdlib, repeats]``); the tokenizer is trained on the first source only.
+``code_repeats`` (below) repeats lines of the stdlib's training split instead: copying in code tokens.
 
 Measured on the tiny config (2 CPU cores, 2026-11-24; docs/rl.md, "Copying"): up to 1,500 steps at
 70 % repeats did not form induction heads (greedy accuracy on the 2nd/3rd copy 0.07, as on the
@@ -43,3 +44,30 @@ def documents(n: int, seed: int = 0, units: int = 1) -> list[str]:
   """``n`` documents of ``units`` repeated lines each (blank line between units)."""
   rng = random.Random(f"repeats/{seed}")
   return ["\n\n".join(unit(rng) for _ in range(units)) for _ in range(n)]
+
+
+# ``code_repeats``: the same lesson in the code's own tokens. A circuit learned on the 76 symbols
+# above did not carry over to code: continued pretraining on stdlib from a checkpoint that copied
+# them (2nd copy 0.996) left lines of Python copied at chance (docs/rl.md, "Copying in code tokens").
+CODE_NAME = "code_repeats"
+
+
+def code_documents(texts: list[str], n: int, seed: int = 0) -> list[str]:
+  """``n`` documents of 1-3 units; a unit is 1-2 consecutive lines (10-80 characters, stripped,
+  then indented by 0 or 4 spaces) of one of ``texts``, written 2-3 times."""
+  pools = [p for p in ([ln.strip() for ln in t.splitlines() if 10 <= len(ln.strip()) <= 80]
+                       for t in texts) if len(p) >= 2]
+  if not pools:
+    raise ValueError("code_repeats: no text has two lines of 10-80 characters to repeat")
+  rng = random.Random(f"code_repeats/{seed}")
+  docs = []
+  for _ in range(n):
+    units = []
+    for _ in range(rng.randint(1, 3)):
+      pool = rng.choice(pools)
+      i = rng.randrange(len(pool) - 1)
+      indent = rng.choice(("", "    "))
+      chunk = "\n".join(indent + ln for ln in pool[i: i + rng.randint(1, 2)])
+      units.append("\n".join([chunk] * rng.randint(2, 3)))
+    docs.append("\n\n".join(units))
+  return docs

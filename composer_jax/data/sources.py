@@ -19,7 +19,7 @@ from composer_jax.data import repeats
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".jsonl")
 BUILTIN = ("stdlib", "site-packages")
-GENERATED = (repeats.NAME,)  # made in memory (data/repeats.py), not read from files
+GENERATED = (repeats.NAME, repeats.CODE_NAME)  # made in memory (data/repeats.py), not read from files
 GENERATED_DOCS = 20000  # documents of a generated source (one repeated line each; ~1.2M tokens)
 
 
@@ -76,7 +76,7 @@ def list_docs(source: str, *, max_files: int = 0, text_field: str = "text") -> l
     return [Doc(p) for p in files]
   if not os.path.exists(source):
     raise ConfigError(f"data.sources: {source!r} does not exist; give 'stdlib', 'site-packages', "
-                      "'repeats', or a path to a .txt/.jsonl file or a directory")
+                      "'repeats', 'code_repeats', or a path to a .txt/.jsonl file or a directory")
   if os.path.isdir(source):
     files = _ordered(_walk(source, TEXT_SUFFIXES), source, max_files)
   else:
@@ -139,11 +139,24 @@ def load_corpus(sources: list[str], weights: list[float], *, heldout_fraction: f
                 max_files: int = 0, text_field: str = "text") -> Corpus:
   weights = mixture_weights(sources, weights)
   train, heldout = [], []
+  stdlib_train = None  # code_repeats draws its lines from the stdlib's training split only
+
+  def stdlib() -> list[str]:
+    nonlocal stdlib_train
+    if stdlib_train is None:
+      texts = read_docs(list_docs("stdlib", max_files=max_files, text_field=text_field))
+      stdlib_train = split_texts(texts, heldout_fraction)[0]
+    return stdlib_train
+
   for s in sources:
-    if s in GENERATED:
+    if s == repeats.NAME:
       texts = repeats.documents(GENERATED_DOCS)
+    elif s == repeats.CODE_NAME:
+      texts = repeats.code_documents(stdlib(), GENERATED_DOCS)
     else:
       texts = read_docs(list_docs(s, max_files=max_files, text_field=text_field))
+      if s == "stdlib":
+        stdlib_train = split_texts(texts, heldout_fraction)[0]
     tr, ho = split_texts(texts, heldout_fraction)
     if not tr:
       raise ConfigError(f"data.sources: {s!r} has no training documents; check the path or lower "

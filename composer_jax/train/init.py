@@ -47,6 +47,38 @@ def model_section(path: str, kind: str) -> dict | None:
   return None
 
 
+# The fields that fix a model's arrays and its function: a base must agree on all of them.
+ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_dense_layers", "dense_ffn_dim", "n_heads",
+               "q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim",
+               "n_routed_experts", "n_experts_per_tok", "n_shared_experts", "moe_ffn_dim", "scoring",
+               "selection_bias", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+               "rope_theta", "yarn_factor", "tie_embeddings", "mtp_depths")
+
+
+def check_base(path: str, model_cfg, field: str = "run.base") -> str:
+  """The kind of a base checkpoint whose architecture is ``model_cfg``'s, or one ConfigError line
+  naming the first model field that differs (read from the folder's config; no weights are read)."""
+  if not os.path.isdir(path):
+    raise ConfigError(f"{field}={path!r} does not exist: give an HF folder, a `convert --from-hf` "
+                      "folder or a training run directory, or '' to start from random weights")
+  kind = init_kind(path)
+  there = model_section(path, kind)
+  if there is None:  # a run directory (or a step folder inside one) carries its config.yaml
+    from composer_jax.config import load_config
+    from composer_jax.train.checkpoint import find_checkpoint
+    ck, _ = find_checkpoint(path)
+    run_dir = os.path.dirname(ck) if os.path.basename(ck) == "checkpoints" else path
+    if not os.path.isdir(ck) or not os.path.exists(os.path.join(run_dir, "config.yaml")):
+      raise ConfigError(f"{field}={path!r} is not an HF, converted or run directory (no "
+                        "config.json + safetensors, params/ + config.yaml, or checkpoints/)")
+    there = dataclasses.asdict(load_config(os.path.join(run_dir, "config.yaml")).model)
+  for k in ARCH_FIELDS:
+    if there[k] != getattr(model_cfg, k):
+      raise ConfigError(f"{field}={path!r} has model.{k}={there[k]!r} but this config has "
+                        f"{getattr(model_cfg, k)!r}: set model.{k}={there[k]} or choose another base")
+  return kind
+
+
 def _check_shapes(what: str, there: dict, here: dict) -> None:
   from composer_jax.train.checkpoint import layout_mismatch
   if layout := layout_mismatch(there, here):

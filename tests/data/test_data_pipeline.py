@@ -161,3 +161,31 @@ def test_repeats_source_is_deterministic_and_repeats_every_line():
   assert len(set(firsts)) == len(firsts)
   corpus = sources.load_corpus(["repeats"], [], heldout_fraction=0.1)
   assert len(corpus.train[0]) + len(corpus.heldout) == sources.GENERATED_DOCS and corpus.heldout
+
+
+def test_code_repeats_copies_lines_of_the_stdlib_training_split_only():
+  from composer_jax.data import repeats
+  texts = [f"def f{i}(x):\n    return x + {i} * 1000\n# a comment line {i}\n" for i in range(30)]
+  docs = repeats.code_documents(texts, 50, seed=1)
+  assert docs == repeats.code_documents(texts, 50, seed=1) != repeats.code_documents(texts, 50, seed=2)
+  known = {ln.strip() for t in texts for ln in t.splitlines()}
+  for doc in docs:
+    units = doc.split("\n\n")
+    assert 1 <= len(units) <= 3
+    for u in units:
+      lines = u.split("\n")
+      for k in (1, 2):  # a chunk of k lines written 2-3 times
+        if len(lines) % k == 0 and 2 <= len(lines) // k <= 3 and lines == lines[:k] * (len(lines) // k):
+          break
+      else:
+        raise AssertionError(f"not a repeated chunk: {u!r}")
+      assert all(ln.strip() in known and ln[:4] in ("    ", ln.strip()[:4]) for ln in lines)
+  with pytest.raises(ValueError, match="code_repeats"):
+    repeats.code_documents(["x = 1"], 3)
+  # In a corpus, its lines come from the stdlib's training split: none from a held-out file.
+  corpus = sources.load_corpus(["stdlib", "code_repeats"], [], heldout_fraction=0.2, max_files=40)
+  stdlib_held = sources.split_texts(sources.read_docs(sources.list_docs("stdlib", max_files=40)), 0.2)[1]
+  train = {ln.strip() for t in corpus.train[0] for ln in t.splitlines()}
+  only_held = {ln.strip() for t in stdlib_held for ln in t.splitlines()} - train
+  copied = {ln.strip() for d in corpus.train[1] for ln in d.splitlines()}
+  assert stdlib_held and only_held and copied and copied <= train

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -84,3 +85,52 @@ def test_extend_from_an_hf_folder_reads_its_window(hf_dir):
   assert old["data"]["seq_len"] == 128
   assert extend_overrides(old, 256) == ["data.seq_len=256", "model.max_seq_len=256",
                                         "model.yarn_factor=8.0", "model.yarn_original_max_position=32"]
+
+
+def _config_of(base: str, extra: list[str] = ()):
+  """configs/tiny.yaml with the model section of the folder ``base`` (then ``extra``)."""
+  from composer_jax.config import load_config
+  from composer_jax.train.init import model_section
+  model = model_section(base, "hf")
+  return load_config(os.path.join(ROOT, "configs/tiny.yaml"),
+                     [f"model.{k}={v}" for k, v in model.items() if not isinstance(v, (list, dict))]
+                     + list(extra))
+
+
+def test_run_base_is_checked_before_any_stage(hf_dir, tmp_path):
+  """`run.base`: a missing folder or another architecture is one line naming the field, and the
+  main job stops before it creates --out."""
+  from composer_jax.config import ConfigError
+  from composer_jax.train.init import check_base
+  cfg = _config_of(hf_dir[1])
+  assert check_base(hf_dir[1], cfg.model) == "hf"
+  wide = _config_of(hf_dir[1], [f"model.d_model={cfg.model.d_model * 2}"])
+  with pytest.raises(ConfigError, match=r"run.base=.* has model.d_model=\d+ .* set model.d_model="):
+    check_base(hf_dir[1], wide.model)
+  with pytest.raises(ConfigError, match=r"run.base='/nonexistent' does not exist"):
+    check_base("/nonexistent", cfg.model)
+  out = tmp_path / "job"
+  assert main(["run", os.path.join(ROOT, "configs/tiny.yaml"), "--out", str(out),
+               "run.base=/nonexistent"]) == 2
+  assert not out.exists()
+
+
+def test_pretrain_stage_continues_from_run_base(hf_dir, tmp_path):
+  """The main job's pretraining stage starts from `run.base`'s weights and tokenizer: one step at
+  lr 1e-30 leaves every base tensor as it was."""
+  from composer_jax.recipe import Recipe
+  cfg = _config_of(hf_dir[1], [f"run.base={hf_dir[1]}", "mesh.data=1", "rl.max_context=0"])
+  recipe = Recipe(cfg, str(tmp_path / "job"), log=lambda *a: None)
+  recipe.stage("pretrain", lambda: recipe._train("pretrain", [
+      "data.seq_len=32", "data.batch_size=2", "data.max_files=5", "train.steps=1",
+      "train.eval_every=0", "train.progress=false", "checkpoint.every=0",
+      "checkpoint.async_save=false", "optim.lr=1e-30", "optim.warmup_steps=0", "optim.qk_clip=0",
+      "model.bias_update_rate=0.0"], cfg.run.base))
+  job = tmp_path / "job"
+  base_tok = os.path.join(hf_dir[1], "tokenizer.json")
+  assert (job / "pretrain" / "tokenizer.json").read_bytes() == pathlib.Path(base_tok).read_bytes()
+  assert main(["convert", "--to-hf", str(job / "pretrain"), "--out", str(tmp_path / "back")]) == 0
+  want, got = hf_tensors(hf_dir[1]), hf_tensors(str(tmp_path / "back"))
+  assert set(want) == set(got)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
