@@ -4,8 +4,8 @@
 
 1. Induction: fresh lines written three times; greedy accuracy per copy. A model that copies scores
    far higher on copies 2 and 3 than on copy 1. Two kinds of line: random words of the ``repeats``
-   alphabet (composer_jax/data/repeats.py; nothing predicts copy 1), and lines of this repository's
-   own Python (code tokens, as the tasks copy; not in the stdlib corpus, so copy 1 is only as
+   alphabet (composer_jax/data/repeats.py; nothing predicts copy 1), and Python lines of the stdlib's
+   held-out split that no training file contains (code tokens, as the tasks copy; copy 1 is only as
    predictable as code is).
 2. With ``--trajectories`` (scripted-expert runs of held-out tasks, e.g. ``tasks expert`` on
    ``DIR/tasks/heldout``): teacher-forced, the probability of the first token of the file name in
@@ -19,18 +19,17 @@ on the right first name token. Writes experiments/results/<--name>.json (default
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import os
-import pathlib
 import random
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from composer_jax.config import DataConfig
 from composer_jax.data import repeats
 from composer_jax.data.chat import encode_segments
+from composer_jax.data.sources import list_docs, read_docs, split_texts
 from composer_jax.rl.loop import load_policy
 from experiments.common import write_result
 
@@ -48,11 +47,11 @@ def _forward(model):
 
 
 def code_lines(n: int = 16, seed: int = 99) -> list[str]:
-  """``n`` distinct lines of 30-90 characters from this repository's Python, sorted then drawn."""
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  files = sorted(glob.glob(os.path.join(root, "composer_jax", "**", "*.py"), recursive=True))
-  pool = sorted({ln.strip() for f in files for ln in pathlib.Path(f).read_text().splitlines()
-                 if 30 <= len(ln.strip()) <= 90})
+  """``n`` distinct lines of 30-90 characters from the stdlib's held-out split (the one pretraining
+  and ``code_repeats`` never train on), each stripped; fixed for a given Python."""
+  train_texts, held = split_texts(read_docs(list_docs("stdlib")), DataConfig.heldout_fraction)
+  train = {ln.strip() for t in train_texts for ln in t.splitlines()}
+  pool = sorted({ln.strip() for t in held for ln in t.splitlines() if 30 <= len(ln.strip()) <= 90} - train)
   return random.Random(seed).sample(pool, n)
 
 
