@@ -129,6 +129,10 @@ def test_pretrain_stage_continues_from_run_base(hf_dir, tmp_path):
   job = tmp_path / "job"
   base_tok = os.path.join(hf_dir[1], "tokenizer.json")
   assert (job / "pretrain" / "tokenizer.json").read_bytes() == pathlib.Path(base_tok).read_bytes()
+  # The stage's own run is a valid base too (read from its config.yaml), as is a step folder of it.
+  from composer_jax.train.init import check_base
+  assert check_base(str(job / "pretrain"), cfg.model) == "run"
+  assert check_base(str(job / "pretrain" / "checkpoints" / "1"), cfg.model) == "run"
   assert main(["convert", "--to-hf", str(job / "pretrain"), "--out", str(tmp_path / "back")]) == 0
   want, got = hf_tensors(hf_dir[1]), hf_tensors(str(tmp_path / "back"))
   assert set(want) == set(got)
