@@ -139,25 +139,21 @@ def load_corpus(sources: list[str], weights: list[float], *, heldout_fraction: f
                 max_files: int = 0, text_field: str = "text") -> Corpus:
   weights = mixture_weights(sources, weights)
   train, heldout = [], []
-  stdlib_train = None  # code_repeats draws its lines from the stdlib's training split only
+  read: dict[str, tuple[list[str], list[str]]] = {}  # each file source read and split once
 
-  def stdlib() -> list[str]:
-    nonlocal stdlib_train
-    if stdlib_train is None:
-      texts = read_docs(list_docs("stdlib", max_files=max_files, text_field=text_field))
-      stdlib_train = split_texts(texts, heldout_fraction)[0]
-    return stdlib_train
+  def split(source: str) -> tuple[list[str], list[str]]:
+    if source not in read:
+      texts = read_docs(list_docs(source, max_files=max_files, text_field=text_field))
+      read[source] = split_texts(texts, heldout_fraction)
+    return read[source]
 
   for s in sources:
     if s == repeats.NAME:
-      texts = repeats.documents(GENERATED_DOCS)
-    elif s == repeats.CODE_NAME:
-      texts = repeats.code_documents(stdlib(), GENERATED_DOCS)
+      tr, ho = split_texts(repeats.documents(GENERATED_DOCS), heldout_fraction)
+    elif s == repeats.CODE_NAME:  # lines of the stdlib's training split only
+      tr, ho = split_texts(repeats.code_documents(split("stdlib")[0], GENERATED_DOCS), heldout_fraction)
     else:
-      texts = read_docs(list_docs(s, max_files=max_files, text_field=text_field))
-      if s == "stdlib":
-        stdlib_train = split_texts(texts, heldout_fraction)[0]
-    tr, ho = split_texts(texts, heldout_fraction)
+      tr, ho = split(s)
     if not tr:
       raise ConfigError(f"data.sources: {s!r} has no training documents; check the path or lower "
                         "data.heldout_fraction")
