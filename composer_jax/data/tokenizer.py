@@ -20,6 +20,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from composer_jax.data import chat
+from composer_jax.env import protocol
+from composer_jax.env.tools import SPECS
 
 # Kimi K2's pre-tokenization pattern (from its tokenization_kimi.py); used for tiktoken files.
 KIMI_PATTERN = "|".join([  # noqa: FLY002 -- one alternative per line, as Kimi writes it
@@ -107,15 +109,30 @@ class Tokenizer:
     self.tok.save(path)
 
 
+def tool_tags() -> list[str]:
+  """The tool-call tags a trained tokenizer holds as single tokens (``protocol.tag_tokens``)."""
+  return protocol.tag_tokens(SPECS)
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-  """Byte-level BPE over ``texts`` with the chat special tokens first (ids 0..n-1)."""
+  """Byte-level BPE over ``texts`` with the chat special tokens first (ids 0..n-1) and the tool-call
+  tags last (the final ``len(tool_tags())`` ids), ``vocab_size`` tokens in all.
+
+  The tags are ordinary (non-special) added tokens: the corpus never holds them, so BPE would split
+  ``<tool_call name="view">`` into ~9 code fragments, and a small policy sampling those fragments
+  mixed them into calls like ``</toold>`` (docs/rl.md, "Tool-call tags as tokens"). As one token each
+  the call's frame is one choice per tag. They decode to their text and count their bytes.
+  """
+  tags = tool_tags()  # (below 12 + 256 + 35 tokens BPE keeps the bytes and the total is larger)
   tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(chat.SPECIAL_TOKENS),
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(tags),
+                                special_tokens=list(chat.SPECIAL_TOKENS),
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                 min_frequency=2, show_progress=False)
   tok.train_from_iterator(texts, trainer=trainer)
+  tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in tags])
   return Tokenizer(tok)
 
 

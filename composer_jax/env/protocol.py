@@ -203,6 +203,15 @@ def format_call(name: str, args: dict) -> str:
   return "\n".join(parts)
 
 
+def tag_tokens(specs: dict[str, ToolSpec]) -> list[str]:
+  """The fixed strings of every call to ``specs``: one opener per tool, the closer, and each argument's
+  open and close tags. A trained tokenizer holds each as one token (``data/tokenizer.py``)."""
+  tags = [f'<tool_call name="{name}">' for name in specs] + [CALL_CLOSE]
+  for spec in specs.values():
+    tags += [t for a in spec.args for t in (f"<{a.name}>", f"</{a.name}>")]
+  return list(dict.fromkeys(tags))
+
+
 def format_observation(tool: str, text: str, ok: bool = True) -> str:
   status = "ok" if ok else "error"
   return f'<observation tool="{tool}" status="{status}">\n{text}\n</observation>'

@@ -10,7 +10,13 @@ import pytest
 
 from composer_jax.data import chat, sources
 from composer_jax.data.sft import encode_chat, read_trajectories
-from composer_jax.data.tokenizer import bytes_to_unicode, load_tokenizer, train_bpe
+from composer_jax.data.tokenizer import (
+  bytes_to_unicode,
+  load_tokenizer,
+  tool_tags,
+  train_bpe,
+)
+from composer_jax.env import protocol
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +60,7 @@ def test_tiktoken_file_converts_to_an_equivalent_bpe(tok, tmp_path, corpus):
   # Export the trained byte-level BPE as a tiktoken rank file (rank = id order of byte tokens) and
   # check that the converted tokenizer splits text identically (same pieces, same byte strings).
   inv = {c: b for b, c in bytes_to_unicode().items()}
-  special = set(chat.SPECIAL_TOKENS)
+  special = set(chat.SPECIAL_TOKENS) | set(tool_tags())  # added tokens, not byte sequences
   vocab = sorted(((i, t) for t, i in tok.tok.get_vocab().items() if t not in special))
   lines = [f"{base64.b64encode(bytes(inv[c] for c in t)).decode()} {r}"
            for r, (_, t) in enumerate(vocab)]
@@ -158,3 +164,22 @@ def test_read_trajectories_reports_bad_lines(tmp_path):
     read_trajectories(str(bad))
   with pytest.raises(ConfigError, match="data.sft_path"):
     read_trajectories(str(tmp_path / "none.jsonl"))
+
+
+def test_tool_call_tags_are_one_token_each(tok):
+  # Every fixed piece of a call is one id at the end of the vocabulary, and the requested size holds
+  # them; the tags decode to their text and count their bytes in bits/byte.
+  tags = tool_tags()
+  assert len(tags) == len(set(tags)) == 35
+  ids = [tok.encode(t) for t in tags]
+  assert all(len(i) == 1 for i in ids)
+  assert sorted(i[0] for i in ids) == list(range(tok.vocab_size - len(tags), tok.vocab_size))
+  call = protocol.format_call("str_replace", {"path": "a.py", "old": "    return x<y", "new": "x\n</y>"})
+  pieces = [tok.decode([i]) for i in tok.encode(call)]
+  assert pieces[0] == '<tool_call name="str_replace">' and pieces[-1] == "</tool_call>"
+  for tag in ("<path>", "</path>", "<old>", "</old>", "<new>", "</new>"):
+    assert pieces.count(tag) == 1
+  assert "".join(pieces) == tok.decode(tok.encode(call)) == call
+  assert int(tok.byte_lengths()[tok.encode(call)].sum()) == len(call.encode("utf-8"))
+  # Code that merely resembles a tag keeps its ordinary pieces.
+  assert tok.decode(tok.encode("if a <b> c: pass")) == "if a <b> c: pass"

@@ -18,7 +18,7 @@ from composer_jax.hf import save_pretrained
 from tests.hf.helpers import hf_tensors, our_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VOCAB = 272  # 256 byte symbols + 12 chat special tokens + a few merges
+VOCAB = 320  # 256 byte symbols + 12 chat special tokens + 35 tool-call tags + a few merges
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +113,22 @@ def test_run_base_is_checked_before_any_stage(hf_dir, tmp_path):
   assert main(["run", os.path.join(ROOT, "configs/tiny.yaml"), "--out", str(out),
                "run.base=/nonexistent"]) == 2
   assert not out.exists()
+
+
+def test_shipped_tiny_base_fits_the_tiny_config():
+  """configs/tiny.yaml's run.base: an HF folder of the tiny architecture in bfloat16 whose tokenizer
+  has the model's vocabulary and holds every tool-call tag as one token."""
+  from composer_jax.config import load_config
+  from composer_jax.data.tokenizer import load_tokenizer, tool_tags
+  from composer_jax.train.init import check_base
+  cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"))
+  base = os.path.join(ROOT, cfg.run.base)
+  assert check_base(base, cfg.model) == "hf"
+  with open(os.path.join(base, "config.json")) as f:
+    assert json.load(f)["torch_dtype"] == "bfloat16"
+  tok = load_tokenizer(os.path.join(base, "tokenizer.json"))
+  assert tok.vocab_size == cfg.model.vocab_size
+  assert [tok.encode(t) for t in tool_tags()] == [[i] for i in range(2048 - 35, 2048)]
 
 
 def test_pretrain_stage_continues_from_run_base(hf_dir, tmp_path):
