@@ -124,6 +124,9 @@ class DataConfig:
   tokenizer_vocab_size: int = 0  # 0 = model.vocab_size
   tokenizer_train_mb: float = 8.0  # corpus text (MiB) the trained BPE learns from
   sft_path: str = ""  # JSONL chat trajectories for SFT
+  # Share of SFT chats that are generated edit drills (data/drills.py: copy a file name, a viewed
+  # line and a requested line into calls); the rest are data.sft_path's. 0 = none.
+  sft_copy_share: float = 0.0
   num_workers: int = 0
   seed: int = 0
 

@@ -57,6 +57,8 @@ def validate(cfg: Config) -> None:
     _require(len(d.weights) == len(d.sources),
              f"data.weights has {len(d.weights)} entries for {len(d.sources)} data.sources: give one each")
   _require(0.0 <= d.heldout_fraction < 1.0, "data.heldout_fraction must be in [0, 1)")
+  _require(0.0 <= d.sft_copy_share < 1.0, f"data.sft_copy_share={d.sft_copy_share} must be in [0, 1) "
+           "(the share of SFT chats that are edit drills)")
   _require(d.tokenizer_train_mb > 0, "data.tokenizer_train_mb must be positive (e.g. 8)")
 
   mesh = cfg.mesh

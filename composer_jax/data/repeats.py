@@ -15,7 +15,9 @@ Measured on the tiny config (2 CPU cores, 2026-11-24; docs/rl.md, "Copying"): up
 the circuit forms between steps 6,000 and 8,000 (2nd-copy accuracy 0.43 -> 0.996; 48 min on 2 cores):
 longer than the 30-min job affords. That circuit does not copy code tokens; ``code_repeats`` (from
 that checkpoint, 85 % of the mix, lr 2e-3) formed one that does: Python lines copied at 0.83 / 0.96
-on copies 2 / 3 after 7,000 more steps (docs/rl.md, "Copying in code tokens").
+on copies 2 / 3 after 7,000 more steps (docs/rl.md, "Copying in code tokens"). That run is the
+shipped base (configs/tiny-base), and configs/tiny.yaml's pretraining keeps ``code_repeats`` at half
+of its mix so that the copying survives.
 The alphabet is small so that every token's embedding is updated often (a copy circuit over 1,500
 random ids formed far later than over 150-250 in a bare loop). Deterministic in the seed.
 """

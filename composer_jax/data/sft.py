@@ -44,3 +44,15 @@ def encode_chat(messages: list[dict], tokenizer) -> dict:
   """Token ids and a mask that is 1 on the tokens the assistant produced (``chat.encode_segments``)."""
   ids, mask = chat.encode_segments(messages, tokenizer)
   return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.int32)}
+
+
+def with_drills(trajs: list[list[dict]], share: float, texts: list[str], seed: int = 0) -> list[list[dict]]:
+  """``trajs`` plus edit drills (``data/drills.py``) from ``texts`` so that drills are ``share`` of
+  the chats; they take the trajectories' system message, so both open alike."""
+  n = round(len(trajs) * share / (1.0 - share))
+  if n == 0:
+    return trajs
+  from composer_jax.data.drills import edit_drills
+  first = trajs[0][0]
+  system = first.get("content") if first.get("role") == "system" else None
+  return trajs + edit_drills(texts, n, seed, system)

@@ -1,0 +1,87 @@
+"""Edit drills: short generated agent chats in which every argument is copied from the chat itself.
+
+An agent's calls are mostly copies: the file name from the task, the old text of an edit from the
+file it just viewed, the new text from the task. The scripted-expert trajectories teach the format of
+those calls, but with 200 of them over 20 module names a small model lowers its loss faster by
+remembering which names go together than by reading the prompt, and SFT overwrote the copying a base
+had learned (docs/rl.md, "Copying in code tokens"). A drill asks for one edit to a file whose name
+and lines are fresh code from the corpus, so only copying predicts its calls:
+
+  user       Line 3 of `sock_opts.py` should read `    self.running = False`. Edit it.
+  assistant  view(sock_opts.py)
+  tool       the file, numbered
+  assistant  str_replace(sock_opts.py, old=<line 3 as shown>, new=<the line from the prompt>)
+  tool       the edit
+  assistant  submit()
+
+The observations are the real tools' output (a ToolBox over a temporary workspace), and the replies
+are tool calls like the expert's, so drills teach copying without a second reply format (plain-text
+copy chats made the policy write broken calls; docs/rl.md). ``data.sft_copy_share`` mixes them into
+SFT; they draw from the first source's training split only.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import tempfile
+import textwrap
+
+from composer_jax.env.protocol import ToolCall, format_call, format_observation
+from composer_jax.env.sandbox import Sandbox
+from composer_jax.env.tools import ToolBox
+
+_IDENT = re.compile(r"\b[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b|\b[a-z]{4,}\b")
+
+
+def _usable(line: str) -> bool:
+  return 8 <= len(line.strip()) and len(line) <= 100 and "\t" not in line
+
+
+def _chunks(texts: list[str]) -> list[list[str]]:
+  """Runs of 3-8 consecutive usable lines from each text, dedented (the files a drill shows)."""
+  out = []
+  for t in texts:
+    run: list[str] = []
+    for ln in [*t.splitlines(), ""]:
+      if _usable(ln) and len(run) < 8:
+        run.append(ln.rstrip())
+        continue
+      if len(run) >= 3:
+        out.append(textwrap.dedent("\n".join(run)).splitlines())
+      run = [ln.rstrip()] if _usable(ln) else []
+  return out
+
+
+def edit_drills(texts: list[str], n: int, seed: int = 0, system: str | None = None) -> list[list[dict]]:
+  """``n`` drill chats (message lists as in ``data/chat.py``) from lines of ``texts``."""
+  chunks = _chunks(texts)
+  if not chunks:
+    raise ValueError("edit drills: the corpus has no runs of 3 short lines to edit")
+  names = sorted({m for t in texts for m in _IDENT.findall(t)})
+  rng = random.Random(f"drills/{seed}")
+  out = []
+  with tempfile.TemporaryDirectory(prefix="cj-drill-") as ws:
+    tools = ToolBox(Sandbox(ws))  # drills never run a command
+    while len(out) < n:
+      lines = rng.choice(chunks)
+      k = rng.randrange(len(lines))
+      old = lines[k]
+      donor = rng.choice(rng.choice(chunks)).strip()
+      indent = old[: len(old) - len(old.lstrip())]
+      new = indent + donor
+      text = "\n".join(lines) + "\n"
+      if text.count(old) != 1 or new == old or not donor:
+        continue
+      path = f"{rng.choice(names)}.py"
+      tools.execute(ToolCall("create", {"path": path, "content": text}))
+      msgs = [{"role": "system", "content": system}] if system else []
+      msgs.append({"role": "user", "content": f"Line {k + 1} of `{path}` should read `{new}`. Edit it."})
+      for name, args in (("view", {"path": path}), ("str_replace", {"path": path, "old": old, "new": new}),
+                         ("submit", {})):
+        obs = tools.execute(ToolCall(name, args))
+        msgs.append({"role": "assistant", "content": format_call(name, args)})
+        msgs.append({"role": "tool", "content": format_observation(name, obs.text, obs.ok)})
+      tools.submitted = False
+      out.append(msgs)
+  return out
