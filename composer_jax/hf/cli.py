@@ -30,7 +30,8 @@ def register(sub) -> None:
   p.add_argument("--out", required=True, help="output folder")
   p.add_argument("--config", help="--to-hf: composer YAML or HF config.json (default DIR/config.yaml)")
   p.add_argument("--dtype", choices=["float32", "bfloat16"],
-                 help="--from-hf: parameter dtype (default: the checkpoint's torch_dtype)")
+                 help="parameter dtype: --from-hf default the checkpoint's torch_dtype; --to-hf "
+                      "default the run's model.param_dtype (bfloat16 halves a float32 run's files)")
   p.add_argument("--max-shard-gb", type=float, default=5.0, help="--to-hf: safetensors shard size")
   p.set_defaults(func=run)
 
@@ -68,12 +69,30 @@ def run(args) -> int:
   shard = int(args.max_shard_gb * 1024**3)
   run = _run_dir(args.to_hf)
   if run is not None:
-    return run_to_hf(run[1], run[2], _model_config(args, run[0]), args.out, shard)
+    return run_to_hf(run[1], run[2], _model_config(args, run[0]), args.out, shard, args.dtype)
   params = os.path.join(args.to_hf, PARAMS)
   if not os.path.isdir(params):
     raise ConfigError(f"--to-hf {args.to_hf!r} has no {PARAMS}/ folder: pass a folder written by "
                       "`composer-jax convert --from-hf` or a training run directory")
-  return to_hf(params, _model_config(args, args.to_hf), args.out, shard)
+  return to_hf(params, _model_config(args, args.to_hf), args.out, shard, args.dtype)
+
+
+def _save(cfg, graphdef, params, rest, out: str, max_shard_bytes: int, dtype: str | None) -> None:
+  """Write the HF folder; with ``dtype`` the parameters (not the float32 router biases) are cast
+  and config.json's torch_dtype says so."""
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from composer_jax.hf import save_pretrained
+  from composer_jax.model import abstract_model
+  if dtype and dtype != cfg.param_dtype:
+    params = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                          params)
+    graphdef = nnx.split(abstract_model(dataclasses.replace(cfg, param_dtype=dtype)), nnx.Param, ...)[0]
+  save_pretrained(nnx.merge(graphdef, params, rest), out, max_shard_bytes=max_shard_bytes)
 
 
 def from_hf(hf_dir: str, out: str, dtype: str | None = None) -> int:
@@ -93,11 +112,10 @@ def from_hf(hf_dir: str, out: str, dtype: str | None = None) -> int:
   return 0
 
 
-def to_hf(params: str, cfg, out: str, max_shard_bytes: int) -> int:
+def to_hf(params: str, cfg, out: str, max_shard_bytes: int, dtype: str | None = None) -> int:
   import orbax.checkpoint as ocp
   from flax import nnx
 
-  from composer_jax.hf import save_pretrained
   from composer_jax.model import abstract_model
   graphdef, abstract = nnx.split(abstract_model(cfg))
   with ocp.StandardCheckpointer() as ckptr:
@@ -105,16 +123,17 @@ def to_hf(params: str, cfg, out: str, max_shard_bytes: int) -> int:
       state = ckptr.restore(os.path.abspath(params), abstract)
     except ValueError as e:  # shapes or tree structure disagree with the config
       raise ConfigError(f"{params} does not match the model config: {str(e).splitlines()[0]}") from None
-  save_pretrained(nnx.merge(graphdef, state), out, max_shard_bytes=max_shard_bytes)
+  graphdef, params_, rest = nnx.split(nnx.merge(graphdef, state), nnx.Param, ...)
+  _save(cfg, graphdef, params_, rest, out, max_shard_bytes, dtype)
   print(f"wrote {out}")
   return 0
 
 
-def run_to_hf(ck_dir: str, step: int | None, cfg, out: str, max_shard_bytes: int) -> int:
+def run_to_hf(ck_dir: str, step: int | None, cfg, out: str, max_shard_bytes: int,
+              dtype: str | None = None) -> int:
   """A training checkpoint's weights (params + router biases; not the optimizer) to an HF folder."""
   from flax import nnx
 
-  from composer_jax.hf import save_pretrained
   from composer_jax.model import abstract_model
   from composer_jax.train.checkpoint import Checkpointer
   graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
@@ -130,7 +149,6 @@ def run_to_hf(ck_dir: str, step: int | None, cfg, out: str, max_shard_bytes: int
     src.close()
   if got is None:
     raise ConfigError(f"{ck_dir} holds no readable checkpoint")
-  save_pretrained(nnx.merge(graphdef, got[1]["params"], got[1]["rest"]), out,
-                  max_shard_bytes=max_shard_bytes)
+  _save(cfg, graphdef, got[1]["params"], got[1]["rest"], out, max_shard_bytes, dtype)
   print(f"wrote {out} from {ck_dir}/{got[0]}")
   return 0
