@@ -187,12 +187,14 @@ def table(summary: dict) -> str:
   rows = [("SFT", "held-out", summary["sft"]), ("RL", "held-out", summary["rl"]),
           ("SFT", "unseen templates", summary["unseen_templates"]["sft"]),
           ("RL", "unseen templates", summary["unseen_templates"]["rl"])]
-  lines = [f"{'policy':<6} {'tasks':<17} {'n':>4} {'pass@1':>7} {'95% CI':>15} {'pass@k':>10} "
-           f"{'tokens':>7}"]
+  lines = [(f"{'policy':<6} {'tasks':<17} {'n':>4} {'pass@1':>7} {'95% CI':>15} {'pass@k':>10} "
+            f"{'tokens':>7}")]
   for pol, split, s in rows:
     k = s["samples"]
+    at_k = s.get(f"pass@{k}")
+    at_k = f"{at_k:>6.3f}" if at_k is not None else f"{'n/a':>6}"
     lines.append(f"{pol:<6} {split:<17} {s['tasks']:>4} {s['pass@1']:>7.3f} "
-                 f"[{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}]{'':>2} {s.get(f'pass@{k}') or 0:>6.3f} (k={k}) "
+                 f"[{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}]{'':>2} {at_k} (k={k}) "
                  f"{s['mean_completion_tokens']:>7.1f}")
   lines.append(f"RL - SFT held-out pass@1: {summary['rl_minus_sft_pass@1']:+.3f}")
   lines.append("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in summary["wall_s"].items())

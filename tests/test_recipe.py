@@ -31,10 +31,12 @@ def test_main_job_small(tmp_path, capsys):
   from composer_jax.cli import main
   out = tmp_path / "run"
   assert main(["run", "configs/tiny.yaml", "--out", str(out), *SMALL]) == 0
-  s = json.load(open(out / "summary.json"))
+  with open(out / "summary.json") as f:
+    s = json.load(f)
   for part in (s["sft"], s["rl"], s["unseen_templates"]["sft"], s["unseen_templates"]["rl"]):
     assert 0.0 <= part["pass@1"] <= 1.0 and part["tasks"] == 2 and part["samples"] == 2
     assert part["ci95"][0] <= part["pass@1"] <= part["ci95"][1]
+    assert part["pass@2"] is not None and part["pass@1"] <= part["pass@2"] <= 1.0
   assert np.isclose(s["rl_minus_sft_pass@1"], s["rl"]["pass@1"] - s["sft"]["pass@1"])
   assert set(s["wall_s"]) == {"pretrain", "tasks", "expert", "sft", "eval_sft", "rl", "eval_rl"}
   for d in ("pretrain/plots", "sft/plots", "rl/plots"):

@@ -369,8 +369,9 @@ def eval_run_dir(run_dir: str, tasks: list, samples: int, out_dir: str, override
   mode = check_isolation(cfg)
   engine = Engine(graphdef, params, rest, cfg, n_slots=cfg.rl.decode_batch, max_len=cfg.rl.max_context,
                   seed=cfg.rl.seed)
+  # pass@k at k = samples is always reported (the main job's table shows it), beside eval.k.
   return evaluate(RolloutRunner(engine, tok, cfg, mode=mode, log=log), tasks, samples, out_dir,
-                  cfg.eval.k, log)
+                  sorted(set(cfg.eval.k) | {samples}), log)
 
 
 def run_rl(cfg: Config, out_dir: str, *, init: str | None = None, resume: bool = False,
