@@ -113,7 +113,28 @@ def build_optimizer(cfg: OptimConfig, total_steps: int, params: Any,
     inner = optax.multi_transform({"muon": muon, "adam": adamw}, labels)
   parts = [optax.clip_by_global_norm(cfg.clip_norm)] if cfg.clip_norm > 0 else []
   tx = optax.chain(*parts, inner)
-  return with_master(tx, cfg.master_dtype) if needs_master(cfg, params) else tx
+  return skip_zero_grads(with_master(tx, cfg.master_dtype) if needs_master(cfg, params) else tx)
+
+
+def skip_zero_grads(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """No update and no state change when the gradient is exactly zero everywhere.
+
+  An RL batch whose groups each scored alike (all solved or all failed) has advantage 0 on every
+  token, so its gradient is 0. AdamW would still step: m/sqrt(v) decays by only b1/sqrt(b2) (0.92
+  at 0.9/0.95) per zero step, so a solved batch pushed the policy on along the last direction at
+  ~92 % of a real step, overshooting into derailed episodes (docs/rl.md, "Zero-gradient steps").
+  Skipping keeps the moments and the step count (so the schedule) as they were. The state's
+  structure is ``tx``'s own: checkpoints are unchanged.
+  """
+
+  def update(grads, state, params=None):
+    u, new = tx.update(grads, state, params)
+    live = optax.tree.norm(grads) > 0
+    u = jax.tree.map(lambda x: jnp.where(live, x, jnp.zeros_like(x)), u)
+    new = jax.tree.map(lambda n, o: jnp.where(live, n, o), new, state)
+    return u, new
+
+  return optax.GradientTransformation(tx.init, update)
 
 
 class MasterState(NamedTuple):

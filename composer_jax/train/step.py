@@ -210,6 +210,7 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
     if qk_clip:
       out["max_attn_logit"] = head_max.max()
     out.update(loss=loss, grad_norm=grad_norm, target_tokens=metrics["tokens"],
+               update_skipped=(grad_norm == 0).astype(jnp.float32),  # optim.skip_zero_grads
                **load_balance(loads if loads.size else None))
     if lr_fn is not None:
       out["lr"] = lr_fn(state["step"])

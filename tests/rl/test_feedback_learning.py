@@ -114,14 +114,16 @@ def test_feedback_kl_lowers_the_invalid_tool_call(world):
   print("before", before, "teacher", t_bad)
   assert t_bad < before - 1.0, (t_bad, before)  # priming worked: the hinted context avoids open_file
   kls, logps = [], [before]
-  for _ in range(4):
+  for _ in range(6):
     tr.state, m = tr.step_fn(tr.state, put_batch(tr, batch))
     kls.append(float(m["feedback_kl"]))
     logps.append(p_bad())
+  print("log p(open_file) per update", logps)
   assert kls[-1] < kls[0]
-  # Falls over the updates: by more than a factor e in probability, and at 3 of the 4 updates at
-  # least. Not at every one: Adam's first steps are sign-like, and which one stalls depends on the
-  # primed weights, which move with the compiled graph (measured: train.loss_chunk 64 vs 0 gave
-  # -4.46 -> ... -> falls at each, and -4.34, -4.10, -4.53, -8.13, -11.89).
-  assert sum(b < a for a, b in itertools.pairwise(logps)) >= 3, logps
+  # Falls over the updates: by more than a factor e in probability, and at 4 of the 6 updates at
+  # least. Not at every one: Adam's first steps are sign-like, and which one stalls, and how fast it
+  # falls, depends on the primed weights, which move with the compiled graph (measured: with
+  # train.loss_chunk 64 vs 0, -4.46 -> ... falls at each, and -4.34, -4.10, -4.53, -8.13, -11.89;
+  # with optim.skip_zero_grads in the graph, -0.36, -0.40, -0.45, -0.59, -0.82 after 4 updates).
+  assert sum(b < a for a, b in itertools.pairwise(logps)) >= 4, logps
   assert logps[-1] < before - 1.0, logps

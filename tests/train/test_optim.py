@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -95,7 +96,8 @@ def test_adamw_decay_mask_and_clipping():
   cfg = OptimConfig(name="adamw", lr=0.1, weight_decay=0.5, warmup_steps=0, schedule="constant",
                     clip_norm=1e-3)
   tx = optim.build_optimizer(cfg, 10, params, axes)
-  zero = jax.tree.map(jnp.zeros_like, grads)
+  # Zero gradients on w and norm (embed's keeps the update live: optim.skip_zero_grads): w only decays.
+  zero = {**jax.tree.map(jnp.zeros_like, grads), "embed": grads["embed"]}
   upd, _ = jax.jit(tx.update)(zero, tx.init(params), params)
   np.testing.assert_allclose(upd["w"], -0.1 * 0.5 * np.asarray(params["w"]), rtol=1e-6)
   np.testing.assert_array_equal(upd["norm"], 0.0)
@@ -104,6 +106,40 @@ def test_adamw_decay_mask_and_clipping():
   nus = jax.tree.leaves(st[1][0].nu)
   total = sum(float(np.sum(np.asarray(v, np.float64))) for v in nus) / (1 - cfg.b2)
   np.testing.assert_allclose(math.sqrt(total), 1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_an_all_zero_gradient_leaves_parameters_and_state_alone(name):
+  """RL batches whose groups all scored alike have gradient 0; AdamW's momentum alone would still
+  move the weights by b1/sqrt(b2) = 0.92 of the last step (reference below). The update is skipped."""
+  params, axes, grads = _params()
+  cfg = OptimConfig(name=name, lr=0.01, weight_decay=0.1, warmup_steps=0, schedule="constant",
+                    clip_norm=1.0)
+  tx = optim.build_optimizer(cfg, 10, params, axes)
+  update = jax.jit(tx.update)
+  u1, st1 = update(grads, tx.init(params), params)
+  assert float(optax_norm(u1)) > 0
+  zero = jax.tree.map(jnp.zeros_like, grads)
+  u2, st2 = update(zero, st1, params)
+  for a in jax.tree.leaves(u2):
+    np.testing.assert_array_equal(a, 0.0)
+  for a, b in zip(jax.tree.leaves(st2), jax.tree.leaves(st1), strict=True):
+    np.testing.assert_array_equal(a, b)
+  # A live gradient after the skip steps as if the zero step never happened.
+  u3, _ = update(grads, st2, params)
+  u3_ref, _ = update(grads, st1, params)
+  jax.tree.map(np.testing.assert_array_equal, u3, u3_ref)
+  if name == "adamw":  # what the skip avoids: plain optax AdamW moves on a zero gradient
+    ref = optax.adamw(cfg.lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=0.0)
+    _, s = ref.update(grads["norm"], ref.init(params["norm"]), params["norm"])
+    drift, _ = ref.update(jnp.zeros_like(grads["norm"]), s, params["norm"])
+    m, v = (1 - cfg.b1) * cfg.b1 * np.asarray(grads["norm"]), (1 - cfg.b2) * cfg.b2 * np.asarray(grads["norm"]) ** 2
+    want = -cfg.lr * (m / (1 - cfg.b1 ** 2)) / (np.sqrt(v / (1 - cfg.b2 ** 2)) + cfg.eps)
+    np.testing.assert_allclose(drift, want, rtol=1e-5)
+
+
+def optax_norm(tree):
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
 
 
 def test_muon_labels_follow_axes():
