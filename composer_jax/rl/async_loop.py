@@ -12,7 +12,7 @@ The workers are topped up *before* the update, so sampling of the next groups ov
 Metrics beyond the sync loop's: ``rollout_s`` is the time the learner waited for rollouts
 (``learner_idle_frac`` = that / step time), ``rollout_idle_frac`` (workers' time outside units),
 ``rollout_tokens_per_s`` (tokens the workers sampled per second of wall time, dropped ones included),
-``staleness_mean/max``, ``dropped_stale``, ``worker_deaths``, ``requeued``, ``full_copies``,
+``staleness_mean/max`` (of the groups taken this step), ``dropped_stale``, ``worker_deaths``, ``requeued``, ``full_copies``,
 ``checksum_failures``, ``weight_swaps``, ``broadcast_s/bytes/kind``.
 The checkpoint carries the ledger (task stream, re-queued and pending tasks) next to the version and
 the trainer's RNG; a resumed run re-queues every task that was handed out but not trained on.
@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from composer_jax.rl import learner as L
 from composer_jax.rl.loop import RLRun, draft_metrics
 from composer_jax.rl.orchestrator import Ledger, Orchestrator
 
@@ -95,22 +96,24 @@ class AsyncRLRun(RLRun):
     t0 = time.perf_counter()
     self.top_up()
     self._drop_stale()
-    while len(self.buffer) < rl.tasks_per_step:
-      self._collect(timeout=1.0)
-      self._drop_stale()
-      self.top_up()
-    waited = time.perf_counter() - t0
-    chosen, self.buffer = self.buffer[: rl.tasks_per_step], self.buffer[rl.tasks_per_step:]
-    rollouts, stale = [], []
-    for g, (gid, rs) in enumerate(chosen):
-      stale.append(self.staleness(rs))
-      for r in rs:
-        r.group = g
-        rollouts.append(r)
+    # Oldest fresh groups first; with rl.dynamic_sampling, groups that all scored alike are retired
+    # untrained and more are taken, up to dynamic_max_rounds x tasks_per_step in all.
+    limit = rl.tasks_per_step * (rl.dynamic_max_rounds if rl.dynamic_sampling else 1)
+    good, drawn = 0, []
+    while good < rl.tasks_per_step and len(drawn) < limit:
+      while not self.buffer:
+        self._collect(timeout=1.0)
+        self._drop_stale()
+        self.top_up()
+      gid, rs = self.buffer.pop(0)
+      drawn.append(rs)
+      good += (not rl.dynamic_sampling) or L.informative(rs, self.cfg)
       self.ledger.done(gid)
+    waited = time.perf_counter() - t0
+    stale = [self.staleness(rs) for rs in drawn]
     if rl.max_staleness > 0:  # the workers sample the next groups while the learner updates (with
       self.top_up()  # max_staleness=0 they would be stale before they are trained on)
-    rec = self.learn(step, rollouts, waited)
+    rec = self.learn(step, *self._select(drawn), waited)
     now = time.perf_counter()
     ws = list(self.worker_stats.values())
     busy, alive = sum(w["busy_s"] for w in ws), sum(w["alive_s"] for w in ws)

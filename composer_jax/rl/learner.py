@@ -68,6 +68,40 @@ def score_rollouts(rollouts: list, cfg: Config, ks=(1,)) -> dict:
   return out
 
 
+def split_groups(rollouts: list) -> list[list]:
+  """Rollouts -> one list per ``rollout.group``, in order of first appearance."""
+  by: dict[int, list] = {}
+  for r in rollouts:
+    by.setdefault(r.group, []).append(r)
+  return list(by.values())
+
+
+def informative(group: list, cfg: Config) -> bool:
+  """Whether a group's rewards differ. One that all solved or all failed has advantage 0 on every
+  token and adds nothing to the gradient; DAPO's dynamic sampling (``rl.dynamic_sampling``) trains
+  on the others only and draws more tasks in their place."""
+  return bool(np.any(score_rollouts(group, cfg)["advantages"] != 0))
+
+
+def dynamic_pick(groups: list[list], cfg: Config) -> tuple[list[list], int]:
+  """DAPO's pick: the first ``rl.tasks_per_step`` informative groups, and how many there were; where
+  none is, the first tasks_per_step groups (gradient 0: ``optim.skip_zero_grads`` skips the update,
+  and the step still logs its losses)."""
+  n = cfg.rl.tasks_per_step
+  good = [g for g in groups if informative(g, cfg)][:n]
+  return (good or groups[:n]), len(good)
+
+
+def regroup(groups: list[list]) -> list:
+  """Flatten groups, numbering them 0..n-1 (the learner batch's group ids)."""
+  out = []
+  for g, rs in enumerate(groups):
+    for r in rs:
+      r.group = g
+      out.append(r)
+  return out
+
+
 # --------------------------------------------------------------------------------------------------
 # Batches
 # --------------------------------------------------------------------------------------------------

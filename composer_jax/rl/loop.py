@@ -192,23 +192,41 @@ class RLRun:
 
   def step(self, step: int) -> dict:
     rl = self.cfg.rl
-    chosen = self.stream.take(rl.tasks_per_step)
-    jobs = [Job(self.tasks[t], g, s) for g, t in enumerate(chosen) for s in range(rl.group_size)]
     t0 = time.perf_counter()
     drafts0 = (self.engine.stats["drafts"], self.engine.stats["drafts_kept"])
-    rollouts = self.runner.run(jobs)
-    rec = self.learn(step, rollouts, time.perf_counter() - t0)
+    drawn: list[list] = []
+    for _ in range(rl.dynamic_max_rounds if rl.dynamic_sampling else 1):
+      chosen = self.stream.take(rl.tasks_per_step)
+      jobs = [Job(self.tasks[t], len(drawn) + g, s) for g, t in enumerate(chosen)
+              for s in range(rl.group_size)]
+      drawn += L.split_groups(self.runner.run(jobs))
+      if not rl.dynamic_sampling or L.dynamic_pick(drawn, self.cfg)[1] >= rl.tasks_per_step:
+        break
+    rec = self.learn(step, *self._select(drawn), time.perf_counter() - t0)
     if rl.speculative_mtp:
       rec.update(draft_metrics(self.engine.stats["drafts"] - drafts0[0],
                                self.engine.stats["drafts_kept"] - drafts0[1]))
     return rec
 
-  def learn(self, step: int, rollouts: list, rollout_s: float) -> dict:
-    """Score a step's rollouts, update the policy, publish the new weights; the step's metrics."""
+  def _select(self, drawn: list[list]) -> tuple[list, dict]:
+    """(trained rollouts, what was drawn): the pass rates and rewards reported for a step are those
+    of every group drawn, not only of those trained on (which dynamic sampling picks for spread)."""
+    rl = self.cfg.rl
+    if not rl.dynamic_sampling:
+      return L.regroup(drawn), None
+    report = L.score_rollouts(L.regroup(drawn), self.cfg, ks=sorted({1, rl.group_size}))
+    keep, report["groups_informative"] = L.dynamic_pick(drawn, self.cfg)
+    report["groups_drawn"] = len(drawn)
+    return L.regroup(keep), report
+
+  def learn(self, step: int, rollouts: list, drawn: dict | None, rollout_s: float) -> dict:
+    """Score a step's rollouts, update the policy, publish the new weights; the step's metrics.
+    ``drawn``: score_rollouts of every group sampled this step, when more than were trained on."""
     from composer_jax.train.loop import put_batch
     cfg, rl = self.cfg, self.cfg.rl
     t1 = time.perf_counter()
     stats = L.score_rollouts(rollouts, cfg, ks=sorted({1, rl.group_size}))
+    shown = drawn or stats
     batch, info = self._batch(rollouts, stats)
     n_mb = rl.minibatches
     per = batch["tokens"].shape[0] // n_mb
@@ -221,8 +239,9 @@ class RLRun:
     t2 = time.perf_counter()
     self.publish(step)
     grading = sum(float(r.traj.grade.get("seconds", 0.0)) for r in rollouts)
-    rec = {"step": step, "reward_mean": stats["reward_mean"], "pass_rate": stats["pass_rate"],
-           **{k: v for k, v in stats.items() if k.startswith(("pass@", "pass^"))},
+    rec = {"step": step, "reward_mean": shown["reward_mean"], "pass_rate": shown["pass_rate"],
+           **{k: v for k, v in shown.items() if k.startswith(("pass@", "pass^", "groups_"))},
+           "trained_groups": len(L.split_groups(rollouts)),
            "completion_tokens_mean": float(np.mean([r.completion_tokens for r in rollouts])),
            "length_penalty_mean": float(np.mean([r.parts.get("length_penalty", 0.0) for r in rollouts])),
            "shaping_penalty_mean": float(np.mean([r.parts.get("shaping_penalty", 0.0) for r in rollouts])),

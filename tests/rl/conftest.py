@@ -19,6 +19,10 @@ RL = ["rl.async=false", "rl.tasks_per_step=2", "rl.group_size=2", "rl.max_new_to
       "rl.max_context=2048", "env.max_turns=2", "env.tool_docs=brief", "env.timeout_s=10",
       "checkpoint.every=1", "checkpoint.async_save=false", "train.progress=false",
       "optim.warmup_steps=0", "optim.lr=1e-3"]
+# DAPO dynamic sampling with no shaping penalties: a group of the random policy (all fail) carries
+# no signal at all, so every group is uninformative.
+DYNAMIC = ["rl.dynamic_sampling=true", "rl.dynamic_max_rounds=2", "rl.penalty_malformed_call=0",
+           "rl.penalty_unknown_tool=0", "rl.penalty_repeated_command=0", "rl.penalty_no_call_turn=0"]
 
 
 @pytest.fixture(scope="session")

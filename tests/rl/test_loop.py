@@ -14,7 +14,7 @@ import pytest
 from composer_jax.config import load_config
 from composer_jax.env import sandbox
 from composer_jax.rl import learner as L
-from tests.rl.conftest import MODEL, RL
+from tests.rl.conftest import DYNAMIC, MODEL, RL
 
 pytestmark = pytest.mark.skipif(not sandbox.bwrap_available(),
                                 reason="bubblewrap cannot run here (apt-get install -y bubblewrap)")
@@ -108,3 +108,23 @@ def test_router_replay_closes_the_train_infer_gap(world):
   without, mism_live = gap(nudged, False)
   assert mism_replay > 0.05 and mism_live > 0.05  # the router now disagrees with the recorded routes
   assert with_replay < without, (with_replay, without)
+
+
+def test_dynamic_sampling_draws_more_groups_and_skips_a_step_without_signal(world):
+  """The random policy fails every episode and, without shaping penalties, every group scores 0
+  alike: DAPO's dynamic sampling draws 2 rounds x 2 groups, finds none to learn from, and the
+  optimizer leaves the weights and its own state exactly as they were (optim.skip_zero_grads)."""
+  from composer_jax.rl.loop import RLRun
+  root, init, _ = world
+  run = RLRun(_rl_cfg(world, "rl.steps=1", *DYNAMIC), str(root / "dynamic"), init=init,
+              log=lambda m: None)
+  before = jax.tree.map(np.asarray, (run.tr.state["params"], run.tr.state["opt_state"]))
+  rec = run.step(1)
+  assert (rec["groups_drawn"], rec["groups_informative"], rec["trained_groups"]) == (4, 0, 2)
+  assert rec["update_skipped"] == 1 and rec["grad_norm"] == 0 and rec["pass_rate"] == 0
+  after = jax.tree.map(np.asarray, (run.tr.state["params"], run.tr.state["opt_state"]))
+  jax.tree.map(np.testing.assert_array_equal, after, before)
+  assert run.stream.state()["pos"] == 4  # all 4 tasks of the stream's first epoch were played
+  run.rollout_file.close()
+  run.metrics.close()
+  run.ck.close()
