@@ -125,7 +125,7 @@ def run_pipeline(root: str, *, tasks: int = 2, seed: int = 1, sft_steps: int = 1
   with open(p("rl", "metrics.jsonl"), encoding="utf-8") as f:
     steps = [json.loads(line) for line in f]
   keys = ("step", "reward_mean", "pass_rate", "completion_tokens_mean", "train_infer_logprob_abs_diff",
-          "routing_mismatch_frac", "rollout_s", "learn_s")
+          "routing_mismatch_frac", "update_skipped", "rollout_s", "learn_s")
   with open(p("rl", "eval", "summary.json"), encoding="utf-8") as f:
     final = json.load(f)
   return {"steps": [{k: s[k] for k in keys if k in s} for s in steps],

@@ -41,6 +41,13 @@ def test_rl_raises_the_training_reward_after_sft(tmp_path):
   passes = np.array([s["pass_rate"] for s in steps])
   best_pair = max((passes[i] + passes[i + 1]) / 2 for i in range(1, len(passes) - 1))
   assert best_pair >= min(passes[0] + 0.2, 0.85), (passes, reward)
+  # A step whose 16 rollouts all passed (or all failed) has gradient 0: no update (AdamW's momentum
+  # alone used to carry a solved policy on past its optimum and derail it; docs/rl.md).
+  for s in steps:
+    if s["pass_rate"] in (0.0, 1.0) and s["reward_mean"] in (0.0, 1.0):
+      assert s["update_skipped"] == 1, s
+    elif 0 < s["pass_rate"] < 1:
+      assert s["update_skipped"] == 0, s
   # Router replay holds the sampler's and the trainer's log-probs together throughout.
   assert max(s["train_infer_logprob_abs_diff"] for s in steps) < 1e-4
   before, after = res["gap_before"], res["gap_after"]
