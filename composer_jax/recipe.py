@@ -19,6 +19,7 @@ of every stage and a score-vs-tokens plot comparing the SFT and RL policies.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -211,6 +212,15 @@ def register(sub) -> None:
   p.set_defaults(func=_main)
 
 
+def resolve_beside(path: str, config_path: str | None) -> str:
+  """A relative path from a config file: as given where it exists from the current directory, else
+  beside the config file (``run.base: tiny-base`` in configs/tiny.yaml works from any directory)."""
+  if os.path.isabs(path) or os.path.exists(path) or not config_path:
+    return path
+  beside = os.path.join(os.path.dirname(os.path.abspath(config_path)), path)
+  return beside if os.path.exists(beside) else path
+
+
 def _main(args) -> int:
   from composer_jax.config import load_config
   cfg = load_config(args.config, args.overrides)
@@ -218,6 +228,8 @@ def _main(args) -> int:
     stage_config(cfg, getattr(cfg.run, name))  # a bad stage override fails now, in one line
   if cfg.run.base:  # before any stage: a wrong base is one line, not a failed pretraining stage
     from composer_jax.train.init import check_base
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, base=resolve_beside(
+        cfg.run.base, args.config)))
     check_base(cfg.run.base, cfg.model)
   from composer_jax.env.sandbox import SandboxError, require_isolation
   try:

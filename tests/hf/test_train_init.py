@@ -121,8 +121,11 @@ def test_shipped_tiny_base_fits_the_tiny_config():
   from composer_jax.config import load_config
   from composer_jax.data.tokenizer import load_tokenizer, tool_tags
   from composer_jax.train.init import check_base
-  cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"))
-  base = os.path.join(ROOT, cfg.run.base)
+  from composer_jax.recipe import resolve_beside
+  path = os.path.join(ROOT, "configs/tiny.yaml")
+  cfg = load_config(path)
+  base = resolve_beside(cfg.run.base, path)  # found from any working directory
+  assert base == os.path.join(ROOT, "configs", "tiny-base")
   assert check_base(base, cfg.model) == "hf"
   with open(os.path.join(base, "config.json")) as f:
     assert json.load(f)["torch_dtype"] == "bfloat16"
