@@ -120,8 +120,8 @@ def test_shipped_tiny_base_fits_the_tiny_config():
   has the model's vocabulary and holds every tool-call tag as one token."""
   from composer_jax.config import load_config
   from composer_jax.data.tokenizer import load_tokenizer, tool_tags
-  from composer_jax.train.init import check_base
   from composer_jax.recipe import resolve_beside
+  from composer_jax.train.init import check_base
   path = os.path.join(ROOT, "configs/tiny.yaml")
   cfg = load_config(path)
   base = resolve_beside(cfg.run.base, path)  # found from any working directory
