@@ -56,3 +56,27 @@ def test_cli_prints_one_line_and_exit_2():
   assert r.returncode == 2
   assert r.stderr.strip().count("\n") == 0 and "model.n_experts_per_tok" in r.stderr
   assert "Traceback" not in r.stderr
+
+
+def test_every_command_uses_a_persistent_compilation_cache(tmp_path):
+  """composer-jax turns on JAX's persistent compilation cache under $XDG_CACHE_HOME (a set
+  JAX_COMPILATION_CACHE_DIR wins, '' turns it off); the environment variables reach jax because the
+  command line imports it only in the handlers."""
+  import os
+
+  from composer_jax.cli import compile_cache_env
+  env = {"XDG_CACHE_HOME": str(tmp_path)}
+  compile_cache_env(env)
+  cache = env["JAX_COMPILATION_CACHE_DIR"]
+  assert os.path.dirname(cache) == str(tmp_path / "composer_jax" / "xla")
+  assert os.path.basename(cache).startswith("jaxlib-")  # one folder per jaxlib and host CPU
+  assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+  mine = {"JAX_COMPILATION_CACHE_DIR": "", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2"}
+  compile_cache_env(mine)
+  assert mine == {"JAX_COMPILATION_CACHE_DIR": "", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2"}
+  code = ("import sys; from composer_jax.cli import main; rc = main(sys.argv[1:]); import jax; "
+          "print(jax.config.jax_compilation_cache_dir)")
+  clean = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+  r = subprocess.run([sys.executable, "-c", code, "params", "configs/tiny.yaml"], check=True,
+                     capture_output=True, text=True, env={**clean, "XDG_CACHE_HOME": str(tmp_path)})
+  assert r.stdout.strip().splitlines()[-1] == cache

@@ -213,7 +213,8 @@ def _runtime_env() -> dict:
   cache = jax.config.jax_compilation_cache_dir
   if cache:
     env["JAX_COMPILATION_CACHE_DIR"] = cache
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = str(
+        jax.config.jax_persistent_cache_min_compile_time_secs)
   return {"env_vars": env}
 
 
