@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -35,7 +36,7 @@ def world(tmp_path_factory):
   corpus.mkdir()
   src = [os.path.join(os.path.dirname(synthetic.__file__), f) for f in ("templates.py", "__init__.py")]
   for i, p in enumerate(src):
-    (corpus / f"{i}.txt").write_text(open(p).read())
+    (corpus / f"{i}.txt").write_text(Path(p).read_text())
   init = root / "init"
   cfg = load_config(None, MODEL + ["train.steps=1", "data.seq_len=64", "data.batch_size=2",
                                    f"data.sources=[{corpus}]", "data.tokenizer_train_mb=1",

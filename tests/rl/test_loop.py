@@ -37,7 +37,7 @@ def test_rl_loop_metrics_checkpoint_resume_and_eval(world, capsys):
   # Resume continues the task stream (no task repeats within an epoch of the 4 tasks) and the
   # weight version.
   assert main(["rl", "configs/tiny.yaml", "--out", str(out), "--resume", "rl.steps=2", *over]) == 0
-  recs = [json.loads(x) for x in open(out / "metrics.jsonl")]
+  recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in recs] == [1, 2]
   assert need <= set(recs[0]), need - set(recs[0])
   for r in recs:
@@ -45,7 +45,7 @@ def test_rl_loop_metrics_checkpoint_resume_and_eval(world, capsys):
     # Rollouts were sampled with the weights being trained, and the learner replays their routes.
     assert r["train_infer_logprob_abs_diff"] < 1e-4 and r["routing_mismatch_frac"] < 0.01
     assert r["completion_tokens_mean"] > 0 and r["version"] == r["step"]
-  tasks_seen = [json.loads(x)["task"] for x in open(out / "rollouts.jsonl")]
+  tasks_seen = [json.loads(x)["task"] for x in (out / "rollouts.jsonl").read_text().splitlines()]
   assert len(tasks_seen) == 8 and len(set(tasks_seen)) == 4  # each of the 4 tasks, twice (a group)
   assert sorted(os.listdir(out / "checkpoints")) == ["1", "2"]
   assert os.path.exists(out / "plots" / "reward_mean.png")
@@ -59,7 +59,7 @@ def test_rl_loop_metrics_checkpoint_resume_and_eval(world, capsys):
   ev = root / "eval"
   assert main(["eval", "--tasks", tasks, "--policy", str(out), "--out", str(ev), "--samples", "1",
                "--limit", "2"]) == 0
-  summary = json.load(open(ev / "summary.json"))
+  summary = json.loads((ev / "summary.json").read_text())
   assert summary["tasks"] == 2 and summary["policy"] == "model" and summary["mean_completion_tokens"] > 0
 
 
@@ -84,7 +84,7 @@ def test_router_replay_closes_the_train_infer_gap(world):
 
   from composer_jax.data.tokenizer import load_tokenizer
   from composer_jax.rl.loop import load_policy
-  root, init, tasks = world
+  _, init, tasks = world
   cfg = _rl_cfg(world, "rl.max_new_tokens=24", "rl.temperature=1.0")
   _, tok, graphdef, params, rest = load_policy(init)
   tok = load_tokenizer(os.path.join(init, "tokenizer.json"))
