@@ -99,21 +99,21 @@ class AsyncRLRun(RLRun):
     # Oldest fresh groups first; with rl.dynamic_sampling, groups that all scored alike are retired
     # untrained and more are taken, up to dynamic_max_rounds x tasks_per_step in all.
     limit = rl.tasks_per_step * (rl.dynamic_max_rounds if rl.dynamic_sampling else 1)
-    good, drawn = 0, []
-    while good < rl.tasks_per_step and len(drawn) < limit:
+    drawn, flags = [], []
+    while sum(flags) < rl.tasks_per_step and len(drawn) < limit:
       while not self.buffer:
         self._collect(timeout=1.0)
         self._drop_stale()
         self.top_up()
       gid, rs = self.buffer.pop(0)
       drawn.append(rs)
-      good += (not rl.dynamic_sampling) or L.informative(rs, self.cfg)
+      flags.append((not rl.dynamic_sampling) or L.informative(rs, self.cfg))
       self.ledger.done(gid)
     waited = time.perf_counter() - t0
     stale = [self.staleness(rs) for rs in drawn]
     if rl.max_staleness > 0:  # the workers sample the next groups while the learner updates (with
       self.top_up()  # max_staleness=0 they would be stale before they are trained on)
-    rec = self.learn(step, *self._select(drawn), waited)
+    rec = self.learn(step, *self._select(drawn, flags), waited)
     now = time.perf_counter()
     ws = list(self.worker_stats.values())
     busy, alive = sum(w["busy_s"] for w in ws), sum(w["alive_s"] for w in ws)

@@ -83,12 +83,11 @@ def informative(group: list, cfg: Config) -> bool:
   return bool(np.any(score_rollouts(group, cfg)["advantages"] != 0))
 
 
-def dynamic_pick(groups: list[list], cfg: Config) -> tuple[list[list], int]:
-  """DAPO's pick: the first ``rl.tasks_per_step`` informative groups, and how many there were; where
-  none is, the first tasks_per_step groups (gradient 0: ``optim.skip_zero_grads`` skips the update,
-  and the step still logs its losses)."""
-  n = cfg.rl.tasks_per_step
-  good = [g for g in groups if informative(g, cfg)][:n]
+def dynamic_pick(groups: list[list], flags: list[bool], n: int) -> tuple[list[list], int]:
+  """DAPO's pick, given each group's ``informative`` flag: the first ``n`` informative groups, and
+  how many there were; where none is, the first ``n`` groups (gradient 0: ``optim.skip_zero_grads``
+  skips the update, and the step still logs its losses)."""
+  good = [g for g, ok in zip(groups, flags, strict=True) if ok][:n]
   return (good or groups[:n]), len(good)
 
 

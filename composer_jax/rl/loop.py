@@ -195,27 +195,33 @@ class RLRun:
     t0 = time.perf_counter()
     drafts0 = (self.engine.stats["drafts"], self.engine.stats["drafts_kept"])
     drawn: list[list] = []
+    flags: list[bool] = []  # per drawn group: informative (rl.dynamic_sampling)
     for _ in range(rl.dynamic_max_rounds if rl.dynamic_sampling else 1):
       chosen = self.stream.take(rl.tasks_per_step)
       jobs = [Job(self.tasks[t], len(drawn) + g, s) for g, t in enumerate(chosen)
               for s in range(rl.group_size)]
-      drawn += L.split_groups(self.runner.run(jobs))
-      if not rl.dynamic_sampling or L.dynamic_pick(drawn, self.cfg)[1] >= rl.tasks_per_step:
+      new = L.split_groups(self.runner.run(jobs))
+      drawn += new
+      if not rl.dynamic_sampling:
         break
-    rec = self.learn(step, *self._select(drawn), time.perf_counter() - t0)
+      flags += [L.informative(g, self.cfg) for g in new]
+      if sum(flags) >= rl.tasks_per_step:
+        break
+    rec = self.learn(step, *self._select(drawn, flags), time.perf_counter() - t0)
     if rl.speculative_mtp:
       rec.update(draft_metrics(self.engine.stats["drafts"] - drafts0[0],
                                self.engine.stats["drafts_kept"] - drafts0[1]))
     return rec
 
-  def _select(self, drawn: list[list]) -> tuple[list, dict]:
+  def _select(self, drawn: list[list], flags: list[bool]) -> tuple[list, dict]:
     """(trained rollouts, what was drawn): the pass rates and rewards reported for a step are those
-    of every group drawn, not only of those trained on (which dynamic sampling picks for spread)."""
+    of every group drawn, not only of those trained on (which dynamic sampling picks for spread).
+    ``flags``: each drawn group's ``learner.informative`` (dynamic sampling only)."""
     rl = self.cfg.rl
     if not rl.dynamic_sampling:
       return L.regroup(drawn), None
     report = L.score_rollouts(L.regroup(drawn), self.cfg, ks=sorted({1, rl.group_size}))
-    keep, report["groups_informative"] = L.dynamic_pick(drawn, self.cfg)
+    keep, report["groups_informative"] = L.dynamic_pick(drawn, flags, rl.tasks_per_step)
     report["groups_drawn"] = len(drawn)
     return L.regroup(keep), report
 

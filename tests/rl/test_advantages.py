@@ -56,8 +56,9 @@ def test_dynamic_sampling_keeps_the_groups_whose_rewards_differ():
   cfg = load_config(None, ["rl.tasks_per_step=2", "rl.group_size=3"])
   groups = [_group(0, [True] * 3), _group(1, [True, False, True]), _group(2, [False] * 3),
             _group(3, [False, False, True]), _group(4, [True, False, False])]
-  assert [L.informative(g, cfg) for g in groups] == [False, True, False, True, True]
-  keep, good = L.dynamic_pick(groups, cfg)
+  flags = [L.informative(g, cfg) for g in groups]
+  assert flags == [False, True, False, True, True]
+  keep, good = L.dynamic_pick(groups, flags, cfg.rl.tasks_per_step)
   assert good == 2 and [g[0].task_id for g in keep] == ["t1", "t3"]  # the first two, in draw order
   flat = L.regroup(keep)
   assert [r.group for r in flat] == [0, 0, 0, 1, 1, 1]
@@ -65,6 +66,7 @@ def test_dynamic_sampling_keeps_the_groups_whose_rewards_differ():
   np.testing.assert_allclose(stats["advantages"], [1 / 3, -2 / 3, 1 / 3, -1 / 3, -1 / 3, 2 / 3])
   # None informative: the first tasks_per_step groups go to the learner (all advantages 0, so the
   # optimizer skips the update).
-  keep, good = L.dynamic_pick([groups[0], groups[2], _group(5, [True] * 3)], cfg)
+  dull = [groups[0], groups[2], _group(5, [True] * 3)]
+  keep, good = L.dynamic_pick(dull, [L.informative(g, cfg) for g in dull], cfg.rl.tasks_per_step)
   assert good == 0 and [g[0].task_id for g in keep] == ["t0", "t2"]
   assert L.split_groups(L.regroup([groups[0], groups[2]]))[1][0].task_id == "t2"
