@@ -197,6 +197,9 @@ class RLConfig:
   max_new_tokens: int = 256  # per assistant turn
   max_context: int = 0  # cache length of one segment (prompt + turns); 0 = model.max_seq_len
   decode_batch: int = 8  # slots served by one decode batch (continuous batching)
+  # Rows per prefill call: turns being read go in calls of this many rows, apart from the decode
+  # call, so a decoding row is not padded to the prefill width (rl/engine.py). 0 = one mixed call.
+  prefill_rows: int = 1
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0  # 0 = whole vocabulary

@@ -115,6 +115,7 @@ def validate(cfg: Config) -> None:
   for name in ("tasks_per_step", "minibatches", "decode_batch", "max_new_tokens", "num_workers",
                "dynamic_max_rounds"):
     _require(getattr(r, name) >= 1, f"rl.{name}={getattr(r, name)} must be >= 1")
+  _require(r.prefill_rows >= 0, f"rl.prefill_rows={r.prefill_rows} must be >= 0 (0 = one mixed call)")
   _require(r.temperature > 0, f"rl.temperature={r.temperature} must be > 0")
   _require(0 < r.top_p <= 1, f"rl.top_p={r.top_p} must be in (0, 1] (1 = off)")
   _require(not r.speculative_mtp or m.mtp_depths >= 1, "rl.speculative_mtp=true drafts with the MTP "

@@ -20,13 +20,17 @@ def _cfg(extra=()):
   return load_config("configs/tiny.yaml", OVR + ["rl.temperature=0.7", "rl.top_p=0.95"] + list(extra))
 
 
-@pytest.fixture(scope="module")
-def setup():
-  cfg = _cfg()
+def _setup(extra=()):
+  cfg = _cfg(extra)
   model = build_model(cfg, seed=3)
   for i, layer in enumerate(model.moe_modules()):  # a non-zero selection bias, as in training
     layer.router_bias.set_value(0.05 * jax.random.normal(jax.random.PRNGKey(10 + i), layer.router_bias.shape))
   return cfg, model
+
+
+@pytest.fixture(scope="module")
+def setup():
+  return _setup()
 
 
 def _log_softmax64(x):
@@ -104,16 +108,20 @@ def trainer_view(model, keys, seqs, fed, temperature):
   return _log_softmax64(np.asarray(out.logits) / temperature), np.asarray(out.routed_experts)
 
 
-def test_engine_matches_training_forward_over_multiturn_episodes(setup):
+@pytest.mark.parametrize("prefill_rows,scan", [(0, False), (1, False), (2, False), (2, True)])
+def test_engine_matches_training_forward_over_multiturn_episodes(setup, prefill_rows, scan):
   """Four episodes on three slots (the fourth waits for a release; its 19-token prompt is prefilled
   in two chunks while the others decode), two turns each, weights swapped
   (same values, new version) mid-run. For every episode: the fed tokens, concatenated, plus the final
   token, are its whole sequence; each sampled log-prob equals log_softmax(logits / T) of the training
   forward on that sequence (1e-5 absolute, float32); each fed token's experts equal the forward's
-  return_routing choices."""
-  cfg, model = setup
+  return_routing choices. Prefills ride in the mixed call (prefill_rows=0), or go in calls of their
+  own over one row, or over two rows (one reading row padded with a slot that feeds nothing, whose
+  cache must come back untouched), also with the MoE layers' caches stacked (model.scan_layers)."""
+  cfg, model = _setup(["model.scan_layers=true"]) if scan else setup
   graphdef, params, rest = split_model(model)
-  eng = Engine(graphdef, params, rest, cfg, n_slots=3, max_len=128, seed=5, prefill_chunk=16)
+  eng = Engine(graphdef, params, rest, cfg, n_slots=3, max_len=128, seed=5, prefill_chunk=16,
+               prefill_rows=prefill_rows)
   rs = np.random.RandomState(7)
   prompts = {k: [int(t) for t in rs.randint(0, V, n)] for k, n in zip("abcd", (5, 11, 3, 19))}
   stops = tuple(range(0, V, 9))  # some ids stop a turn early

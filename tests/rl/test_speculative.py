@@ -125,7 +125,8 @@ def _episodes(eng, prompts, stops, rs, new_tokens=(9, 7)):
   return seqs, fed, gens
 
 
-def test_drafting_engine_matches_the_training_forward(model):
+@pytest.mark.parametrize("prefill_rows", [0, 2])
+def test_drafting_engine_matches_the_training_forward(model, prefill_rows):
   """At T = 30 the target and the untrained drafter are both near uniform, so most drafts are kept
   (bonus tokens, turns ending on a kept draft that is rolled back) and some are rejected. Over five
   two-turn episodes on three slots (prompts prefilled in chunks while others decode): token in,
@@ -133,7 +134,8 @@ def test_drafting_engine_matches_the_training_forward(model):
   token's experts equal the forward's routing; the engine emits more than one token per decode call."""
   cfg = _cfg(["rl.temperature=30", "rl.speculative_mtp=true"])
   graphdef, params, rest = split_model(model)
-  eng = Engine(graphdef, params, rest, cfg, n_slots=3, max_len=64, seed=5, prefill_chunk=16)
+  eng = Engine(graphdef, params, rest, cfg, n_slots=3, max_len=64, seed=5, prefill_chunk=16,
+               prefill_rows=prefill_rows)  # 2: compact prefill calls gather the MTP cache rows too
   rs = np.random.RandomState(7)
   prompts = {k: [int(t) for t in rs.randint(0, V, n)] for k, n in zip("abcde", (5, 11, 3, 19, 6))}
   seqs, fed, gens = _episodes(eng, prompts, tuple(range(0, V, 11)), rs)
