@@ -213,10 +213,13 @@ class RLConfig:
   kl_coef: float = 0.0  # KL to the reference (initial) policy; 0 = off
   loss_agg: Literal["token_mean", "seq_sum"] = "token_mean"
   adv_std_norm: bool = False  # divide group advantages by the group's std
-  # DAPO dynamic sampling: train on groups whose rewards differ; draw up to `dynamic_max_rounds`
+  # DAPO dynamic sampling: train on informative groups; draw up to `dynamic_max_rounds`
   # x tasks_per_step groups a step to find tasks_per_step of them (none found: no update).
   dynamic_sampling: bool = False
   dynamic_max_rounds: int = 3
+  # What makes a group informative: "outcome" = some episodes resolved the task and some did not
+  # (DAPO's accuracy filter); "reward" = any two rewards differ (shaping penalties count).
+  dynamic_by: Literal["outcome", "reward"] = "outcome"
   router_replay: bool = True
   # Self-summarization: at this many tokens in a segment the model is asked to summarise (0 = off).
   summary_trigger_tokens: int = 0

@@ -77,9 +77,13 @@ def split_groups(rollouts: list) -> list[list]:
 
 
 def informative(group: list, cfg: Config) -> bool:
-  """Whether a group's rewards differ. One that all solved or all failed has advantage 0 on every
-  token and adds nothing to the gradient; DAPO's dynamic sampling (``rl.dynamic_sampling``) trains
-  on the others only and draws more tasks in their place."""
+  """Whether a group teaches the policy something: with ``rl.dynamic_by="outcome"`` (DAPO's filter)
+  some of its episodes resolved the task and some did not; with ``"reward"`` any advantage is
+  non-zero (episodes with one outcome but different shaping penalties count). DAPO's dynamic
+  sampling (``rl.dynamic_sampling``) trains on informative groups only and draws more tasks in the
+  others' place."""
+  if cfg.rl.dynamic_by == "outcome":
+    return len({bool(r.resolved) for r in group}) == 2
   return bool(np.any(score_rollouts(group, cfg)["advantages"] != 0))
 
 

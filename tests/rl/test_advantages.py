@@ -41,16 +41,17 @@ def test_pass_stats_hand():
   assert A.pass_at_k is bench.pass_at_k and A.pass_hat_k is bench.pass_hat_k  # one implementation
 
 
-def _group(gid: int, outcomes: list[bool]) -> list:
+def _group(gid: int, outcomes: list[bool], malformed=()) -> list:
   from types import SimpleNamespace
 
   from composer_jax.rl.trajectory import Rollout
   return [Rollout(f"t{gid}", gid, [], [], SimpleNamespace(flags=[], messages=[], resolved=ok,
-                                                          reward=float(ok), grade={}), {})
-          for ok in outcomes]
+                                                          reward=float(ok), grade={}),
+                  {"malformed_calls": 1} if i in malformed else {})
+          for i, ok in enumerate(outcomes)]
 
 
-def test_dynamic_sampling_keeps_the_groups_whose_rewards_differ():
+def test_dynamic_sampling_keeps_the_groups_that_teach_something():
   from composer_jax.config import load_config
   from composer_jax.rl import learner as L
   cfg = load_config(None, ["rl.tasks_per_step=2", "rl.group_size=3"])
@@ -58,6 +59,12 @@ def test_dynamic_sampling_keeps_the_groups_whose_rewards_differ():
             _group(3, [False, False, True]), _group(4, [True, False, False])]
   flags = [L.informative(g, cfg) for g in groups]
   assert flags == [False, True, False, True, True]
+  # One outcome, rewards apart by a shaping penalty: informative by reward, not by outcome (DAPO).
+  shaped = _group(6, [False] * 3, malformed=(1,))
+  assert cfg.rl.dynamic_by == "outcome" and not L.informative(shaped, cfg)
+  by_reward = load_config(None, ["rl.tasks_per_step=2", "rl.group_size=3", "rl.dynamic_by=reward"])
+  assert L.informative(shaped, by_reward)
+  assert [L.informative(g, by_reward) for g in groups] == flags
   keep, good = L.dynamic_pick(groups, flags, cfg.rl.tasks_per_step)
   assert good == 2 and [g[0].task_id for g in keep] == ["t1", "t3"]  # the first two, in draw order
   flat = L.regroup(keep)
