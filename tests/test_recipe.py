@@ -15,8 +15,8 @@ SMALL = ["train.steps=2", "train.eval_every=0", "data.tokenizer_train_mb=1", "da
          "run.train_tasks=4", "run.heldout_tasks=2", "run.unseen_tasks=2", "run.eval_samples=2",
          "run.sft_overrides=[data.seq_len=1280,data.batch_size=2,train.steps=2]",
          # the RL switches of configs/tiny.yaml (dynamic sampling), at a size that runs in seconds
-         "run.rl_overrides=[rl.steps=1,rl.tasks_per_step=2,rl.group_size=2,rl.max_new_tokens=16,"
-         "rl.dynamic_sampling=true,rl.dynamic_max_rounds=2]",
+         ("run.rl_overrides=[rl.steps=1,rl.tasks_per_step=2,rl.group_size=2,rl.max_new_tokens=16,"
+          "rl.dynamic_sampling=true,rl.dynamic_max_rounds=2]"),
          "run.eval_overrides=[rl.max_new_tokens=16,env.max_turns=2]",
          "train.progress=false", "mesh.data=1"]
 
