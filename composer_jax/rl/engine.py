@@ -394,7 +394,8 @@ class Engine:
       else:  # decoding rows in one call over all slots, the rows reading a turn in compact calls
         reading = [r for r, s in enumerate(self._slots) if s.req is not None and s.todo]
         if len(reading) < sum(map(bool, feeds)):
-          self._call([[] if r in reading else f for r, f in enumerate(feeds)])
+          skip = set(reading)
+          self._call([[] if r in skip else f for r, f in enumerate(feeds)])
         for i in range(0, len(reading), self.prefill_rows):
           self._call(feeds, reading[i: i + self.prefill_rows])
       self.stats["seconds"] += time.perf_counter() - t0
@@ -407,7 +408,8 @@ class Engine:
     if rows is None:
       sel = list(range(self.n_slots))
     else:
-      sel = list(rows) + [r for r in range(self.n_slots) if r not in rows][: self.prefill_rows - len(rows)]
+      taken = set(rows)
+      sel = list(rows) + [r for r in range(self.n_slots) if r not in taken][: self.prefill_rows - len(rows)]
       feeds = [feeds[r] if j < len(rows) else [] for j, r in enumerate(sel)]
     slots = [self._slots[r] for r in sel]
     width = max(len(f) for f in feeds)
