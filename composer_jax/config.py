@@ -220,6 +220,11 @@ class RLConfig:
   # What makes a group informative: "outcome" = some episodes resolved the task and some did not
   # (DAPO's accuracy filter); "reward" = any two rewards differ (shaping penalties count).
   dynamic_by: Literal["outcome", "reward"] = "outcome"
+  # Which tasks to draw (rl/curriculum.py): "none" = a seeded permutation; "family" = a family
+  # (template and level) with probability ~ the chance its next group has both outcomes, from its
+  # recent groups (each decayed by curriculum_decay per later group of the family).
+  curriculum: Literal["none", "family"] = "none"
+  curriculum_decay: float = 0.8
   router_replay: bool = True
   # Self-summarization: at this many tokens in a segment the model is asked to summarise (0 = off).
   summary_trigger_tokens: int = 0
@@ -282,6 +287,10 @@ class RunConfig:
   train_tasks: int = 200
   heldout_tasks: int = 40  # unseen instances of the training templates (the RL target)
   unseen_tasks: int = 20  # templates that no stage trains on (reported in their own row)
+  # RL's own tasks: fresh instances of the training templates, none of them an SFT task. On the
+  # SFT tasks the policy recalls memorised solutions, and RL's reward then pays for recall, not for
+  # skills that carry to held-out tasks (docs/rl.md). 0: RL reuses the SFT tasks.
+  rl_tasks: int = 200
   task_seed: int = 1
   # A base model the pretraining stage continues from (an HF folder, a `convert --from-hf` folder
   # or a training run; its tokenizer.json when it has one), as Composer continues from Kimi K2.

@@ -115,6 +115,7 @@ def validate(cfg: Config) -> None:
   for name in ("tasks_per_step", "minibatches", "decode_batch", "max_new_tokens", "num_workers",
                "dynamic_max_rounds"):
     _require(getattr(r, name) >= 1, f"rl.{name}={getattr(r, name)} must be >= 1")
+  _require(0 <= r.curriculum_decay < 1, f"rl.curriculum_decay={r.curriculum_decay} must be in [0, 1)")
   _require(r.prefill_rows >= 0, f"rl.prefill_rows={r.prefill_rows} must be >= 0 (0 = one mixed call)")
   _require(r.temperature > 0, f"rl.temperature={r.temperature} must be > 0")
   _require(0 < r.top_p <= 1, f"rl.top_p={r.top_p} must be in (0, 1] (1 = off)")
@@ -136,6 +137,7 @@ def validate(cfg: Config) -> None:
   for name in ("pretrain_overrides", "sft_overrides", "rl_overrides", "eval_overrides"):
     _require(all(isinstance(o, str) and "=" in o for o in getattr(u, name)),
              f"run.{name} must be a list of 'section.key=value' strings")
+  _require(u.rl_tasks >= 0, f"run.rl_tasks={u.rl_tasks} must be >= 0 (0 = RL on the SFT tasks)")
   _require(cfg.eval.workers >= 1, f"eval.workers={cfg.eval.workers} must be >= 1")
   _require(all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in cfg.eval.k),
            f"eval.k={cfg.eval.k} must be a list of positive integers, e.g. [1, 5]")

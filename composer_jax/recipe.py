@@ -2,12 +2,13 @@
 
   1. tokenizer + continued pretraining on the code corpus        DIR/pretrain
      (from ``run.base`` and its tokenizer when set, else from random weights)
-  2. synthetic coding tasks: train, held-out instances of the     DIR/tasks/{train,heldout,unseen}
-     training templates, and templates no stage trains on
+  2. synthetic coding tasks: SFT's, RL's own (none of SFT's),     DIR/tasks/{train,rl,heldout,unseen}
+     held-out instances of the training templates, and templates
+     no stage trains on
   3. scripted-expert trajectories through the real tools          DIR/sft/trajectories.jsonl
   4. SFT on them                                                  DIR/sft
   5. evaluation of the SFT policy on the held-out sets            DIR/eval/sft-{heldout,unseen}
-  6. RL on the training tasks (rl.async_ picks the Ray loop)      DIR/rl
+  6. RL on its tasks (rl.async_ picks the Ray loop)               DIR/rl
   7. evaluation of the RL policy                                  DIR/eval/rl-{heldout,unseen}
 
 Each stage runs with the config plus its ``run.<stage>_overrides`` and leaves ``DONE.json``; with
@@ -97,7 +98,28 @@ class Recipe:
                               split="heldout", templates=r.train_templates)
     unseen = synthetic.generate(r.unseen_tasks, r.task_seed + 2, os.path.join(t, "unseen"),
                                 split="heldout", templates=r.unseen_templates)
-    return {k: v["n"] for k, v in (("train", train), ("heldout", held), ("unseen", unseen))}
+    out = {k: v["n"] for k, v in (("train", train), ("heldout", held), ("unseen", unseen))}
+    if r.rl_tasks:
+      out["rl"] = self._make_rl_tasks()["n"]
+    return out
+
+  def _make_rl_tasks(self) -> dict:
+    """RL's tasks: the training templates' split under a seed of its own, minus SFT's instances."""
+    from composer_jax.env import synthetic
+    r = self.cfg.run
+    with open(self.path("tasks", "train", "synthetic_report.json")) as f:
+      sft_ids = json.load(f)["instance_ids"]
+    return synthetic.generate(r.rl_tasks, r.task_seed + 3, self.path("tasks", "rl"), split="train",
+                              templates=r.train_templates,
+                              exclude={i.rsplit("-", 1)[1] for i in sft_ids})
+
+  def _rl_tasks_dir(self) -> str:
+    if not self.cfg.run.rl_tasks:
+      return self.path("tasks", "train")
+    d = self.path("tasks", "rl")
+    if not os.path.exists(os.path.join(d, "synthetic_report.json")):  # a run dir from before rl_tasks
+      self._make_rl_tasks()
+    return d
 
   def _expert(self) -> dict:
     from composer_jax.data.tokenizer import load_tokenizer
@@ -132,7 +154,7 @@ class Recipe:
   def _rl(self) -> dict:
     from composer_jax.rl.loop import run_rl
     r = self.cfg.run
-    cfg = stage_config(self.cfg, [f"rl.tasks={self.path('tasks', 'train')}"] + list(r.rl_overrides))
+    cfg = stage_config(self.cfg, [f"rl.tasks={self._rl_tasks_dir()}"] + list(r.rl_overrides))
     d = self.path("rl")
     resume = os.path.isdir(os.path.join(d, "checkpoints")) and bool(os.listdir(os.path.join(d, "checkpoints")))
     last = run_rl(cfg, d, init=None if resume else self.path("sft"), resume=resume, log=self.log)

@@ -43,6 +43,9 @@ def test_base_include_and_overrides():
     ("data.sft_copy_share=1.0", "data.sft_copy_share"),
     ("rl.prefill_rows=-1", "rl.prefill_rows"),
     ("rl.dynamic_by=accuracy", "rl.dynamic_by"),
+    ("run.rl_tasks=-1", "run.rl_tasks"),
+    ("rl.curriculum=hard", "rl.curriculum"),
+    ("rl.curriculum_decay=1.0", "rl.curriculum_decay"),
 ])
 def test_bad_values_name_the_field(override, field):
   over = [override] + (["mesh.fsdp=-1"] if override == "mesh.data=-1" else [])

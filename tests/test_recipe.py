@@ -12,7 +12,7 @@ from composer_jax.env import sandbox
 from composer_jax.recipe import bootstrap_ci
 
 SMALL = ["train.steps=2", "train.eval_every=0", "data.tokenizer_train_mb=1", "data.max_files=200",
-         "run.train_tasks=4", "run.heldout_tasks=2", "run.unseen_tasks=2", "run.eval_samples=2",
+         "run.train_tasks=4", "run.rl_tasks=3", "run.heldout_tasks=2", "run.unseen_tasks=2", "run.eval_samples=2",
          "run.sft_overrides=[data.seq_len=1280,data.batch_size=2,train.steps=2]",
          # the RL switches of configs/tiny.yaml (dynamic sampling), at a size that runs in seconds
          ("run.rl_overrides=[rl.steps=1,rl.tasks_per_step=2,rl.group_size=2,rl.max_new_tokens=16,"
@@ -41,6 +41,11 @@ def test_main_job_small(tmp_path, capsys):
     assert part["pass@2"] is not None and part["pass@1"] <= part["pass@2"] <= 1.0
   assert np.isclose(s["rl_minus_sft_pass@1"], s["rl"]["pass@1"] - s["sft"]["pass@1"])
   assert set(s["wall_s"]) == {"pretrain", "tasks", "expert", "sft", "eval_sft", "rl", "eval_rl"}
+  # RL ran on tasks of its own, none of them an SFT task.
+  rl_ids = {d for d in os.listdir(out / "tasks" / "rl") if d.startswith("syn-")}
+  assert len(rl_ids) == 3 and not rl_ids & set(os.listdir(out / "tasks" / "train"))
+  with open(out / "rl" / "config.yaml") as f:
+    assert str(out / "tasks" / "rl") in f.read()
   for d in ("pretrain/plots", "sft/plots", "rl/plots"):
     assert os.listdir(out / d)
   assert os.path.getsize(out / "score_vs_tokens.png") > 1000

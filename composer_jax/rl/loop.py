@@ -27,35 +27,7 @@ import numpy as np
 from composer_jax.config import Config, ConfigError, dump_config
 from composer_jax.rl import learner as L
 from composer_jax.rl.agent import Job, RolloutRunner
-
-
-class TaskStream:
-  """Tasks in a fresh seeded permutation per epoch; its state (epoch, position) is checkpointed so a
-  resumed run neither repeats nor skips a task."""
-
-  def __init__(self, n: int, seed: int):
-    self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
-
-  def _order(self) -> np.ndarray:
-    return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
-
-  def take(self, k: int) -> list[int]:
-    out = []
-    while len(out) < k:
-      if self.pos >= self.n:
-        self.epoch, self.pos = self.epoch + 1, 0
-      out.append(int(self._order()[self.pos]))
-      self.pos += 1
-    return out
-
-  def state(self) -> dict:
-    return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "seed": self.seed}
-
-  def set_state(self, st: dict) -> None:
-    if st.get("n") != self.n:
-      raise ConfigError(f"--resume: the checkpoint's task stream has {st.get('n')} tasks, rl.tasks "
-                        f"has {self.n}: resume with the same rl.tasks")
-    self.epoch, self.pos = int(st["epoch"]), int(st["pos"])
+from composer_jax.rl.curriculum import make_stream
 
 
 def load_task_set(path: str, field: str) -> list:
@@ -122,7 +94,7 @@ class RLRun:
     self.ck = ckpt_lib.Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                                     every=cfg.checkpoint.every, async_save=cfg.checkpoint.async_save)
     self._items, self._from_items = _items, _from_items
-    self.stream = TaskStream(len(self.tasks), rl.seed)
+    self.stream = make_stream(self.tasks, cfg)
     self.start = 0
     self.resumed_data: dict | None = None  # the checkpoint's JSON data item, when resumed
     restored = self.ck.restore_latest(_items(self.tr.state)) if resume else None
@@ -197,10 +169,11 @@ class RLRun:
     drawn: list[list] = []
     flags: list[bool] = []  # per drawn group: informative (rl.dynamic_sampling)
     for _ in range(rl.dynamic_max_rounds if rl.dynamic_sampling else 1):
-      chosen = self.stream.take(rl.tasks_per_step)
-      jobs = [Job(self.tasks[t], len(drawn) + g, s) for g, t in enumerate(chosen)
-              for s in range(rl.group_size)]
+      chosen = {len(drawn) + g: t for g, t in enumerate(self.stream.take(rl.tasks_per_step))}
+      jobs = [Job(self.tasks[t], gid, s) for gid, t in chosen.items() for s in range(rl.group_size)]
       new = L.split_groups(self.runner.run(jobs))
+      for grp in new:
+        self.stream.observe(chosen[grp[0].group], [r.resolved for r in grp])
       drawn += new
       if not rl.dynamic_sampling:
         break

@@ -54,8 +54,9 @@ class Ledger:
     if gid in self.pending:
       self.queue.append(self.pending.pop(gid))
 
-  def done(self, gid: int) -> None:
-    self.pending.pop(gid)
+  def done(self, gid: int) -> int:
+    """Retire a trained group; its task index."""
+    return self.pending.pop(gid)
 
   def outstanding(self) -> int:
     return len(self.pending)

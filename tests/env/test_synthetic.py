@@ -77,6 +77,16 @@ def test_splits_are_disjoint_by_template_and_by_content():
     instances(2, 0, split="dev")
 
 
+def test_exclude_keeps_another_stages_instances_out():
+  # The main job draws RL's tasks under their own seed, excluding SFT's: even the same seed then
+  # yields a disjoint set of the same size.
+  sft = instances(6, seed=3, split="train", templates="implement,two_file")
+  short = {content_hash(i)[:12] for i in sft}
+  rl = instances(6, seed=3, split="train", templates="implement,two_file", exclude=short)
+  assert len(rl) == 6 and not {content_hash(i)[:12] for i in rl} & short
+  assert [i.template for i in rl] == [i.template for i in sft]
+
+
 def test_levels_are_balanced_and_selectable():
   insts = instances(12, 0, templates="implement,method")
   counts = {}

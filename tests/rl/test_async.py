@@ -13,7 +13,7 @@ import pytest
 
 from composer_jax.config import ConfigError, load_config
 from composer_jax.env import sandbox
-from composer_jax.rl.loop import TaskStream
+from composer_jax.rl.curriculum import TaskStream
 from composer_jax.rl.orchestrator import Ledger
 from tests.rl.conftest import DYNAMIC, MODEL, RL
 

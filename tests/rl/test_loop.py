@@ -110,21 +110,28 @@ def test_router_replay_closes_the_train_infer_gap(world):
   assert with_replay < without, (with_replay, without)
 
 
-def test_dynamic_sampling_draws_more_groups_and_skips_a_step_without_signal(world):
+@pytest.mark.parametrize("curriculum", ["none", "family"])
+def test_dynamic_sampling_draws_more_groups_and_skips_a_step_without_signal(world, curriculum):
   """The random policy fails every episode and, without shaping penalties, every group scores 0
   alike: DAPO's dynamic sampling draws 2 rounds x 2 groups, finds none to learn from, and the
-  optimizer leaves the weights and its own state exactly as they were (optim.skip_zero_grads)."""
+  optimizer leaves the weights and its own state exactly as they were (optim.skip_zero_grads).
+  The family curriculum sees every drawn group's outcomes."""
   from composer_jax.rl.loop import RLRun
   root, init, _ = world
-  run = RLRun(_rl_cfg(world, "rl.steps=1", *DYNAMIC), str(root / "dynamic"), init=init,
-              log=lambda m: None)
+  run = RLRun(_rl_cfg(world, "rl.steps=1", f"rl.curriculum={curriculum}", *DYNAMIC),
+              str(root / f"dynamic-{curriculum}"), init=init, log=lambda m: None)
   before = jax.tree.map(np.asarray, (run.tr.state["params"], run.tr.state["opt_state"]))
   rec = run.step(1)
   assert (rec["groups_drawn"], rec["groups_informative"], rec["trained_groups"]) == (4, 0, 2)
   assert rec["update_skipped"] == 1 and rec["grad_norm"] == 0 and rec["pass_rate"] == 0
   after = jax.tree.map(np.asarray, (run.tr.state["params"], run.tr.state["opt_state"]))
   jax.tree.map(np.testing.assert_array_equal, after, before)
-  assert run.stream.state()["pos"] == 4  # all 4 tasks of the stream's first epoch were played
+  st = run.checkpoint_data(1)["tasks"]
+  if curriculum == "none":
+    assert st["pos"] == 4  # all 4 tasks of the stream's first epoch were played
+  else:  # 4 groups drawn by family, each observed: no wins, and 4 x 2 episodes counted (decayed)
+    assert st["draws"] == 4 and sum(st["wins"]) == 0
+    assert 2 * 4 * 0.8 ** 3 <= sum(st["tries"]) <= 8
   run.rollout_file.close()
   run.metrics.close()
   run.ck.close()

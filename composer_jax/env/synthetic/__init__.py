@@ -101,9 +101,11 @@ def _levels(levels: str | list | None) -> set | None:
 
 
 def instances(n: int, seed: int, split: str = "train", templates: str | list | None = None,
-              levels: str | list | None = None, max_tries_per: int = 50) -> list[T.Instance]:
+              levels: str | list | None = None, max_tries_per: int = 50,
+              exclude: set | frozenset = frozenset()) -> list[T.Instance]:
   """``n`` distinct instances of the split, deterministic in ``seed``: templates taken in turn and
-  each template's difficulty levels in turn (balanced counts)."""
+  each template's difficulty levels in turn (balanced counts). ``exclude``: short content hashes
+  (the last part of an instance id) never to draw, e.g. another stage's tasks."""
   if n < 1:
     raise SyntheticError(f"--synthetic {n} must be >= 1")
   chosen = select_templates(templates, split)
@@ -125,7 +127,7 @@ def instances(n: int, seed: int, split: str = "train", templates: str | list | N
     k += 1
     inst = tpl.make(rng, lv[made[tpl.name] % len(lv)])
     h = content_hash(inst)
-    if h in seen or (split != "all" and instance_split(inst) != split):
+    if h in seen or h[:12] in exclude or (split != "all" and instance_split(inst) != split):
       continue
     seen.add(h)
     made[tpl.name] += 1
@@ -167,9 +169,10 @@ def _lines_changed(inst: T.Instance) -> int:
 
 
 def generate(n: int, seed: int, out: str, split: str = "train", templates: str | list | None = None,
-             limits: dict | None = None, levels: str | list | None = None) -> dict:
+             limits: dict | None = None, levels: str | list | None = None,
+             exclude: set | frozenset = frozenset()) -> dict:
   """Write ``n`` task directories under ``out``; returns a report (counts per template, level)."""
-  insts = instances(n, seed, split, templates, levels)
+  insts = instances(n, seed, split, templates, levels, exclude=exclude)
   os.makedirs(out, exist_ok=True)
   counts: dict = {}
   ids = []

@@ -1,0 +1,141 @@
+"""Which RL tasks to draw: in a seeded permutation (``TaskStream``), or by family (``FamilyStream``).
+
+A group teaches the policy something only when some of its episodes resolve the task and some do
+not (``learner.informative``). On a task set where whole families (a template at a difficulty
+level) are never or always solved, most drawn groups teach nothing; dynamic sampling then draws
+more and throws them away. ``FamilyStream`` (``rl.curriculum=family``) draws a family with
+probability proportional to the chance that a group of it has both outcomes, estimated from that
+family's recent groups, then the family's next task. Kimi k1.5 and Polaris filter by the same
+criterion per prompt; with fresh tasks (each drawn ~twice a run) the family is what repeats.
+
+Both streams share one interface: ``take(k)`` task indices, ``observe(task, resolved)`` after a
+group is graded (the plain stream ignores it), and ``state``/``set_state`` for the checkpoint, so a
+resumed run neither repeats nor skips a task and keeps its estimates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from composer_jax.config import ConfigError
+
+
+class TaskStream:
+  """Tasks in a fresh seeded permutation per epoch; its state (epoch, position) is checkpointed so a
+  resumed run neither repeats nor skips a task."""
+
+  def __init__(self, n: int, seed: int):
+    self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
+
+  def _order(self) -> np.ndarray:
+    return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+
+  def take(self, k: int) -> list[int]:
+    out = []
+    while len(out) < k:
+      if self.pos >= self.n:
+        self.epoch, self.pos = self.epoch + 1, 0
+      out.append(int(self._order()[self.pos]))
+      self.pos += 1
+    return out
+
+  def observe(self, task: int, resolved: list) -> None:
+    del task, resolved  # the order does not depend on outcomes
+
+  def state(self) -> dict:
+    return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "seed": self.seed}
+
+  def set_state(self, st: dict) -> None:
+    if st.get("kind", "permutation") != "permutation":
+      raise ConfigError(f"--resume: the checkpoint drew tasks with rl.curriculum={st['kind']}: resume "
+                        "with the same rl.curriculum")
+    if st.get("n") != self.n:
+      raise ConfigError(f"--resume: the checkpoint's task stream has {st.get('n')} tasks, rl.tasks "
+                        f"has {self.n}: resume with the same rl.tasks")
+    self.epoch, self.pos = int(st["epoch"]), int(st["pos"])
+
+
+def family_of(task) -> str:
+  """A task's family: its template and level where the task says them (synthetic tasks), else its
+  repository."""
+  d = getattr(task, "difficulty", None) or {}
+  if "kind" in d and "level" in d:
+    return f"{d['kind']}-d{d['level']}"
+  return task.repo
+
+
+def mixed_outcome_prob(wins: np.ndarray, tries: np.ndarray, group_size: int) -> np.ndarray:
+  """P(a group of ``group_size`` episodes has both outcomes) at each family's posterior-mean pass
+  rate under a uniform Beta(1, 1) prior: 1 - p^G - (1 - p)^G. An unseen family gets p = 1/2, the
+  highest weight, so every family is tried; a family that never resolves keeps p >= 1/(tries + 2)."""
+  p = (np.asarray(wins, np.float64) + 1.0) / (np.asarray(tries, np.float64) + 2.0)
+  return 1.0 - p ** group_size - (1.0 - p) ** group_size
+
+
+class FamilyStream:
+  """Draws a family by ``mixed_outcome_prob``, then that family's next task (a seeded permutation
+  per family). Outcomes decay by ``decay`` per group observed in the family, so the estimate follows
+  a policy that improves (an effective window of ~1/(1 - decay) groups)."""
+
+  def __init__(self, families: list[str], seed: int, group_size: int, decay: float = 0.8):
+    self.names = sorted(set(families))
+    idx = {f: i for i, f in enumerate(self.names)}
+    self.family = np.array([idx[f] for f in families], np.int64)
+    self.members = [np.flatnonzero(self.family == i) for i in range(len(self.names))]
+    self.seed, self.group_size, self.decay = seed, group_size, decay
+    self.wins = np.zeros(len(self.names))
+    self.tries = np.zeros(len(self.names))
+    self.epoch = np.zeros(len(self.names), np.int64)
+    self.pos = np.zeros(len(self.names), np.int64)
+    self.draws = 0
+
+  @property
+  def n(self) -> int:
+    return len(self.family)
+
+  def weights(self) -> np.ndarray:
+    w = mixed_outcome_prob(self.wins, self.tries, self.group_size)
+    return w / w.sum()
+
+  def _next_of(self, f: int) -> int:
+    m = self.members[f]
+    if self.pos[f] >= len(m):
+      self.epoch[f], self.pos[f] = self.epoch[f] + 1, 0
+    order = np.random.default_rng([self.seed, f, int(self.epoch[f])]).permutation(len(m))
+    task = int(m[order[self.pos[f]]])
+    self.pos[f] += 1
+    return task
+
+  def take(self, k: int) -> list[int]:
+    out = []
+    for _ in range(k):
+      rng = np.random.default_rng([self.seed, 1 << 20, self.draws])  # one seed per draw: resumable
+      self.draws += 1
+      out.append(self._next_of(int(rng.choice(len(self.names), p=self.weights()))))
+    return out
+
+  def observe(self, task: int, resolved: list) -> None:
+    f = self.family[task]
+    self.wins[f] = self.decay * self.wins[f] + float(sum(bool(r) for r in resolved))
+    self.tries[f] = self.decay * self.tries[f] + float(len(resolved))
+
+  def state(self) -> dict:
+    return {"kind": "family", "n": self.n, "families": self.names, "wins": self.wins.tolist(),
+            "tries": self.tries.tolist(), "epoch": self.epoch.tolist(), "pos": self.pos.tolist(),
+            "draws": self.draws}
+
+  def set_state(self, st: dict) -> None:
+    if st.get("kind") != "family" or st.get("n") != self.n or st.get("families") != self.names:
+      raise ConfigError("--resume: the checkpoint's task stream does not match rl.tasks and "
+                        "rl.curriculum=family: resume with the same rl.tasks and rl.curriculum")
+    self.wins, self.tries = np.asarray(st["wins"], np.float64), np.asarray(st["tries"], np.float64)
+    self.epoch, self.pos = np.asarray(st["epoch"], np.int64), np.asarray(st["pos"], np.int64)
+    self.draws = int(st["draws"])
+
+
+def make_stream(tasks: list, cfg):
+  """The task stream ``rl.curriculum`` names."""
+  rl = cfg.rl
+  if rl.curriculum == "family":
+    return FamilyStream([family_of(t) for t in tasks], rl.seed, rl.group_size, rl.curriculum_decay)
+  return TaskStream(len(tasks), rl.seed)
