@@ -8,7 +8,8 @@ the policy with the shared train step (``train/step.py``) and the RL loss of ``l
 engine then gets the new weights with the next version number.
 
 A run directory holds what the training stages write (config.yaml, tokenizer.json, metrics.jsonl,
-tb/, plots/, checkpoints/) plus rollouts.jsonl (one line per episode) and, with ``rl.eval_tasks``,
+tb/, plots/, checkpoints/) plus rollouts.jsonl (one line per episode played; ``trained`` is false for
+the groups dynamic sampling set aside) and, with ``rl.eval_tasks``,
 eval/summary.json.
 """
 
@@ -57,8 +58,8 @@ def draft_metrics(drafts: int, kept: int) -> dict:
           "mtp_acceptance": kept / drafts if drafts else 0.0}
 
 
-def rollout_record(step: int, r) -> dict:
-  return {"step": step, "task": r.task_id, "group": r.group, "reward": r.reward,
+def rollout_record(step: int, r, trained: bool = True) -> dict:
+  return {"step": step, "task": r.task_id, "group": r.group, "trained": trained, "reward": r.reward,
           "resolved": r.resolved, "completion_tokens": r.completion_tokens, "segments": len(r.segments),
           "summaries": r.summaries, "cut": r.cut, "hints": [h.kind for h in r.hints],
           "parts": r.parts, "flags": r.traj.flags, "messages": r.traj.messages}
@@ -127,6 +128,7 @@ class RLRun:
     self.logp_fn = _make_logp_fn(self.tr.graphdef, cfg)
     self.metrics = MetricsLog(out_dir, self.start)
     self.rollout_file = open(os.path.join(out_dir, "rollouts.jsonl"), "a")  # noqa: SIM115
+    self.untrained: list = []  # a step's drawn episodes that dynamic sampling did not train on
 
   # ------------------------------------------------------------------------------------------------
 
@@ -196,6 +198,8 @@ class RLRun:
     report = L.score_rollouts(L.regroup(drawn), self.cfg, ks=sorted({1, rl.group_size}))
     keep, report["groups_informative"] = L.dynamic_pick(drawn, flags, rl.tasks_per_step)
     report["groups_drawn"] = len(drawn)
+    picked = {id(g) for g in keep}
+    self.untrained = [r for g in drawn if id(g) not in picked for r in g]  # logged, not trained
     return L.regroup(keep), report
 
   def learn(self, step: int, rollouts: list, drawn: dict | None, rollout_s: float) -> dict:
@@ -235,6 +239,9 @@ class RLRun:
     rec.setdefault("routing_mismatch_frac", 0.0)
     for r in rollouts:
       self.rollout_file.write(json.dumps(rollout_record(step, r)) + "\n")
+    for r in self.untrained:
+      self.rollout_file.write(json.dumps(rollout_record(step, r, trained=False)) + "\n")
+    self.untrained = []
     self.rollout_file.flush()
     return rec
 

@@ -219,5 +219,7 @@ def test_async_run_survives_a_killed_worker(world):
   assert [r["step"] for r in recs] == [1, 2, 3]
   assert (recs[2]["groups_drawn"], recs[2]["groups_informative"], recs[2]["update_skipped"]) == (4, 0, 1)
   assert recs[2]["grad_norm"] == 0 and recs[2]["pass_rate"] == 0
-  step3 = {r["task"] for r in _jsonl(out / "rollouts.jsonl") if r["step"] == 3}
+  step3 = [r for r in _jsonl(out / "rollouts.jsonl") if r["step"] == 3]
+  assert len(step3) == 8 and not any(r["trained"] for r in step3[4:])  # 2 set aside, logged too
+  step3 = {r["task"] for r in step3 if r["trained"]}
   assert step3 <= {run.tasks[i].instance_id for i in pending}  # the pending tasks are handed out first

@@ -126,6 +126,8 @@ def test_dynamic_sampling_draws_more_groups_and_skips_a_step_without_signal(worl
   assert rec["update_skipped"] == 1 and rec["grad_norm"] == 0 and rec["pass_rate"] == 0
   after = jax.tree.map(np.asarray, (run.tr.state["params"], run.tr.state["opt_state"]))
   jax.tree.map(np.testing.assert_array_equal, after, before)
+  logged = [json.loads(x) for x in (root / f"dynamic-{curriculum}" / "rollouts.jsonl").read_text().splitlines()]
+  assert len(logged) == 8 and [r["trained"] for r in logged] == [True] * 4 + [False] * 4
   st = run.checkpoint_data(1)["tasks"]
   if curriculum == "none":
     assert st["pos"] == 4  # all 4 tasks of the stream's first epoch were played
