@@ -181,6 +181,9 @@ class RLConfig:
   tasks_per_step: int = 4
   group_size: int = 4
   minibatches: int = 1  # optimizer updates per rollout batch (PPO-style; 1 = on-policy)
+  # Passes over each step's rollouts (PPO epochs), each split into `minibatches` updates: a step's
+  # rollouts cost ~10x its update on the tiny config, so passes are cheap learning per sample.
+  epochs: int = 1
   seed: int = 0
   tasks: str = ""  # folder of training task directories (`tasks generate --synthetic ... --out`)
   eval_tasks: str = ""  # held-out task folder, evaluated at the end ("" = none)

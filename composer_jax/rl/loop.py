@@ -75,8 +75,9 @@ class RLRun:
     from composer_jax.train import checkpoint as ckpt_lib
     from composer_jax.train.loop import MetricsLog, _from_items, _items, build_trainer
     rl = cfg.rl
-    if cfg.train.steps != rl.steps:  # the optimizer's schedule spans the RL steps
-      cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=rl.steps))
+    updates = rl.steps * rl.minibatches * rl.epochs  # the optimizer's schedule spans every update
+    if cfg.train.steps != updates:
+      cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=updates))
     self.cfg, self.out, self.log = cfg, out_dir, log
     self.tasks = load_task_set(rl.tasks, "rl.tasks")
     self.mode = check_isolation(cfg)
@@ -158,7 +159,7 @@ class RLRun:
         teacher = jax.device_get(self.teacher_fn(params, rest, tb["tokens"], tb["segment_ids"],
                                                  tb["positions"], tb["experts"]))
       L.attach_teacher(batch, jobs, teacher, rl.feedback_topk)
-    if rl.minibatches > 1:
+    if rl.minibatches > 1 or rl.epochs > 1:  # later updates are off the sampling weights
       batch["old_logp"] = np.asarray(self.logp_fn(self.tr.state["params"], self.tr.state["rest"], batch))
     if rl.kl_coef > 0:
       batch["ref_logp"] = np.asarray(self.logp_fn(*self.frozen, batch))
@@ -214,11 +215,12 @@ class RLRun:
     n_mb = rl.minibatches
     per = batch["tokens"].shape[0] // n_mb
     learn = {}
-    for i in range(n_mb):
-      mb = {k: v[i * per:(i + 1) * per] for k, v in batch.items()}
-      self.tr.state, out = self.tr.step_fn(self.tr.state, put_batch(self.tr, mb))
-      for k, v in jax.device_get(out).items():
-        learn[k] = learn.get(k, 0.0) + float(v) / n_mb
+    for _ in range(rl.epochs):
+      for i in range(n_mb):
+        mb = {k: v[i * per:(i + 1) * per] for k, v in batch.items()}
+        self.tr.state, out = self.tr.step_fn(self.tr.state, put_batch(self.tr, mb))
+        for k, v in jax.device_get(out).items():
+          learn[k] = learn.get(k, 0.0) + float(v) / (n_mb * rl.epochs)
     t2 = time.perf_counter()
     self.publish(step)
     grading = sum(float(r.traj.grade.get("seconds", 0.0)) for r in rollouts)

@@ -137,3 +137,29 @@ def test_dynamic_sampling_draws_more_groups_and_skips_a_step_without_signal(worl
   run.rollout_file.close()
   run.metrics.close()
   run.ck.close()
+
+
+def test_epochs_reuse_a_steps_rollouts_for_more_updates(world):
+  """rl.epochs=2: two optimizer updates per step on the same rollouts, the schedule spans them all,
+  and the second pass is off the sampling weights (its PPO ratio departs from 1). The random policy
+  resolves nothing, so one episode of each group is marked resolved to give a gradient."""
+  from composer_jax.rl.agent import Job
+  from composer_jax.rl.loop import RLRun
+  root, init, _ = world
+  run = RLRun(_rl_cfg(world, "rl.steps=2", "rl.epochs=2"), str(root / "epochs"), init=init,
+              log=lambda m: None)
+  try:
+    assert run.cfg.train.steps == 4
+    rollouts = run.runner.run([Job(run.tasks[g], g, s) for g in range(2) for s in range(2)])
+    first = {}
+    for r in rollouts:
+      first.setdefault(r.group, r)
+    for r in first.values():
+      r.traj.reward, r.traj.resolved = 1.0, True
+    rec = run.learn(1, rollouts, None, 0.0)
+    assert int(run.tr.state["step"]) == 2
+    assert rec["update_skipped"] == 0 and abs(rec["ratio_mean"] - 1.0) > 1e-6, rec
+  finally:
+    run.rollout_file.close()
+    run.metrics.close()
+    run.ck.close()
