@@ -145,6 +145,7 @@ class Recipe:
       per_task = [v["c"] / v["n"] for v in s["per_task"].values()]
       lo, hi = bootstrap_ci(per_task)
       out[split] = {"pass@1": s["pass@1"], "ci95": [lo, hi], "tasks": s["tasks"],
+                    "by_family": by_family(tasks, s["per_task"]),
                     "samples": s["samples_per_task"],
                     f"pass@{s['samples_per_task']}": s.get(f"pass@{s['samples_per_task']}"),
                     "mean_completion_tokens": s["mean_completion_tokens"],
@@ -183,6 +184,7 @@ class Recipe:
       json.dump(summary, f, indent=1)
     self._plot(summary)
     self.log(table(summary))
+    self.log(family_table(summary))
     return summary
 
   def _plot(self, summary: dict) -> None:
@@ -204,6 +206,29 @@ class Recipe:
     fig.tight_layout()
     fig.savefig(self.path("score_vs_tokens.png"), dpi=90)
     plt.close(fig)
+
+
+def by_family(tasks: list, per_task: dict) -> dict:
+  """pass@1 per task family (template and level): where a stage's gains and losses are."""
+  from composer_jax.rl.curriculum import family_of
+  fam: dict = {}
+  for t in tasks:
+    v = per_task.get(t.instance_id)
+    if v:
+      f = fam.setdefault(family_of(t), {"tasks": 0, "c": 0, "n": 0})
+      f["tasks"], f["c"], f["n"] = f["tasks"] + 1, f["c"] + v["c"], f["n"] + v["n"]
+  return {k: {"tasks": f["tasks"], "pass@1": f["c"] / f["n"]} for k, f in sorted(fam.items())}
+
+
+def family_table(summary: dict) -> str:
+  """Held-out pass@1 per family, after SFT and after RL."""
+  sft, rl = summary["sft"].get("by_family", {}), summary["rl"].get("by_family", {})
+  lines = [f"{'held-out family':<17} {'tasks':>5} {'SFT':>6} {'RL':>6}"]
+  for k in sorted(set(sft) | set(rl)):
+    n = (sft.get(k) or rl.get(k))["tasks"]
+    cell = [f"{d[k]['pass@1']:>6.3f}" if k in d else f"{'n/a':>6}" for d in (sft, rl)]
+    lines.append(f"{k:<17} {n:>5} {cell[0]} {cell[1]}")
+  return "\n".join(lines)
 
 
 def table(summary: dict) -> str:

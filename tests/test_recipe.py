@@ -39,6 +39,9 @@ def test_main_job_small(tmp_path, capsys):
     assert 0.0 <= part["pass@1"] <= 1.0 and part["tasks"] == 2 and part["samples"] == 2
     assert part["ci95"][0] <= part["pass@1"] <= part["ci95"][1]
     assert part["pass@2"] is not None and part["pass@1"] <= part["pass@2"] <= 1.0
+    fams = part["by_family"]  # pass@1 per template and level, weighted by episodes
+    assert sum(f["tasks"] for f in fams.values()) == 2
+    assert np.isclose(sum(f["pass@1"] * f["tasks"] for f in fams.values()) / 2, part["pass@1"])
   assert np.isclose(s["rl_minus_sft_pass@1"], s["rl"]["pass@1"] - s["sft"]["pass@1"])
   assert set(s["wall_s"]) == {"pretrain", "tasks", "expert", "sft", "eval_sft", "rl", "eval_rl"}
   # RL ran on tasks of its own, none of them an SFT task.
@@ -50,7 +53,7 @@ def test_main_job_small(tmp_path, capsys):
     assert os.listdir(out / d)
   assert os.path.getsize(out / "score_vs_tokens.png") > 1000
   printed = capsys.readouterr().out
-  assert "RL - SFT held-out pass@1" in printed
+  assert "RL - SFT held-out pass@1" in printed and "held-out family" in printed
   # --resume skips every finished stage.
   assert main(["run", "configs/tiny.yaml", "--out", str(out), "--resume", *SMALL]) == 0
   assert capsys.readouterr().out.count("done earlier, skipped") == 7
