@@ -14,9 +14,10 @@ from composer_jax.recipe import bootstrap_ci
 SMALL = ["train.steps=2", "train.eval_every=0", "data.tokenizer_train_mb=1", "data.max_files=200",
          "run.train_tasks=4", "run.rl_tasks=3", "run.heldout_tasks=2", "run.unseen_tasks=2", "run.eval_samples=2",
          "run.sft_overrides=[data.seq_len=1280,data.batch_size=2,train.steps=2]",
-         # the RL switches of configs/tiny.yaml (dynamic sampling), at a size that runs in seconds
+         # the RL switches of configs/tiny.yaml (dynamic sampling, family curriculum, two PPO
+         # passes), at a size that runs in seconds
          ("run.rl_overrides=[rl.steps=1,rl.tasks_per_step=2,rl.group_size=2,rl.max_new_tokens=16,"
-          "rl.dynamic_sampling=true,rl.dynamic_max_rounds=2]"),
+          "rl.dynamic_sampling=true,rl.dynamic_max_rounds=2,rl.curriculum=family,rl.epochs=2]"),
          "run.eval_overrides=[rl.max_new_tokens=16,env.max_turns=2]",
          "train.progress=false", "mesh.data=1"]
 
