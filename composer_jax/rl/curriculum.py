@@ -5,8 +5,9 @@ not (``learner.informative``). On a task set where whole families (a template at
 level) are never or always solved, most drawn groups teach nothing; dynamic sampling then draws
 more and throws them away. ``FamilyStream`` (``rl.curriculum=family``) draws a family with
 probability proportional to the chance that a group of it has both outcomes, estimated from that
-family's recent groups, then the family's next task. Kimi k1.5 and Polaris filter by the same
-criterion per prompt; with fresh tasks (each drawn ~twice a run) the family is what repeats.
+family's recent groups, then the family's next task. Filters by pass rate per prompt (DAPO's
+dynamic sampling, Kimi k1.5's prioritised sampling) need prompts that come back; the main job's RL
+tasks are fresh (each drawn about once a run), so the family is what comes back.
 
 Both streams share one interface: ``take(k)`` task indices, ``observe(task, resolved)`` after a
 group is graded (the plain stream ignores it), and ``state``/``set_state`` for the checkpoint, so a
