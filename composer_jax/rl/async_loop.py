@@ -113,7 +113,8 @@ class AsyncRLRun(RLRun):
     stale = [self.staleness(rs) for rs in drawn]
     if rl.max_staleness > 0:  # the workers sample the next groups while the learner updates (with
       self.top_up()  # max_staleness=0 they would be stale before they are trained on)
-    rec = self.learn(step, *self._select(drawn, flags), waited)
+    keep, report, untrained = self._select(drawn, flags)
+    rec = self.learn(step, keep, report, waited, untrained)
     now = time.perf_counter()
     ws = list(self.worker_stats.values())
     busy, alive = sum(w["busy_s"] for w in ws), sum(w["alive_s"] for w in ws)

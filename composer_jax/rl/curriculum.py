@@ -25,11 +25,11 @@ class TaskStream:
   """Tasks in a fresh seeded permutation per epoch; its state (epoch, position) is checkpointed so a
   resumed run neither repeats nor skips a task."""
 
-  def __init__(self, n: int, seed: int):
+  def __init__(self, n: int, seed: int | tuple):
     self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
 
   def _order(self) -> np.ndarray:
-    return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+    return np.random.default_rng([*np.atleast_1d(self.seed), self.epoch]).permutation(self.n)
 
   def take(self, k: int) -> list[int]:
     out = []
@@ -74,8 +74,8 @@ def mixed_outcome_prob(wins: np.ndarray, tries: np.ndarray, group_size: int) -> 
 
 
 class FamilyStream:
-  """Draws a family by ``mixed_outcome_prob``, then that family's next task (a seeded permutation
-  per family). Outcomes decay by ``decay`` per group observed in the family, so the estimate follows
+  """Draws a family by ``mixed_outcome_prob``, then that family's next task (a ``TaskStream`` per
+  family). Outcomes decay by ``decay`` per group observed in the family, so the estimate follows
   a policy that improves (an effective window of ~1/(1 - decay) groups)."""
 
   def __init__(self, families: list[str], seed: int, group_size: int, decay: float = 0.8):
@@ -86,8 +86,7 @@ class FamilyStream:
     self.seed, self.group_size, self.decay = seed, group_size, decay
     self.wins = np.zeros(len(self.names))
     self.tries = np.zeros(len(self.names))
-    self.epoch = np.zeros(len(self.names), np.int64)
-    self.pos = np.zeros(len(self.names), np.int64)
+    self.within = [TaskStream(len(m), (seed, f)) for f, m in enumerate(self.members)]
     self.draws = 0
 
   @property
@@ -98,21 +97,13 @@ class FamilyStream:
     w = mixed_outcome_prob(self.wins, self.tries, self.group_size)
     return w / w.sum()
 
-  def _next_of(self, f: int) -> int:
-    m = self.members[f]
-    if self.pos[f] >= len(m):
-      self.epoch[f], self.pos[f] = self.epoch[f] + 1, 0
-    order = np.random.default_rng([self.seed, f, int(self.epoch[f])]).permutation(len(m))
-    task = int(m[order[self.pos[f]]])
-    self.pos[f] += 1
-    return task
-
   def take(self, k: int) -> list[int]:
     out = []
     for _ in range(k):
       rng = np.random.default_rng([self.seed, 1 << 20, self.draws])  # one seed per draw: resumable
       self.draws += 1
-      out.append(self._next_of(int(rng.choice(len(self.names), p=self.weights()))))
+      f = int(rng.choice(len(self.names), p=self.weights()))
+      out.append(int(self.members[f][self.within[f].take(1)[0]]))
     return out
 
   def observe(self, task: int, resolved: list) -> None:
@@ -122,7 +113,7 @@ class FamilyStream:
 
   def state(self) -> dict:
     return {"kind": "family", "n": self.n, "families": self.names, "wins": self.wins.tolist(),
-            "tries": self.tries.tolist(), "epoch": self.epoch.tolist(), "pos": self.pos.tolist(),
+            "tries": self.tries.tolist(), "within": [w.state() for w in self.within],
             "draws": self.draws}
 
   def set_state(self, st: dict) -> None:
@@ -130,7 +121,8 @@ class FamilyStream:
       raise ConfigError("--resume: the checkpoint's task stream does not match rl.tasks and "
                         "rl.curriculum=family: resume with the same rl.tasks and rl.curriculum")
     self.wins, self.tries = np.asarray(st["wins"], np.float64), np.asarray(st["tries"], np.float64)
-    self.epoch, self.pos = np.asarray(st["epoch"], np.int64), np.asarray(st["pos"], np.int64)
+    for w, ws in zip(self.within, st["within"], strict=True):
+      w.set_state(ws)
     self.draws = int(st["draws"])
 
 

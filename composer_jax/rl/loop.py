@@ -129,7 +129,6 @@ class RLRun:
     self.logp_fn = _make_logp_fn(self.tr.graphdef, cfg)
     self.metrics = MetricsLog(out_dir, self.start)
     self.rollout_file = open(os.path.join(out_dir, "rollouts.jsonl"), "a")  # noqa: SIM115
-    self.untrained: list = []  # a step's drawn episodes that dynamic sampling did not train on
 
   # ------------------------------------------------------------------------------------------------
 
@@ -183,29 +182,32 @@ class RLRun:
       flags += [L.informative(g, self.cfg) for g in new]
       if sum(flags) >= rl.tasks_per_step:
         break
-    rec = self.learn(step, *self._select(drawn, flags), time.perf_counter() - t0)
+    keep, report, untrained = self._select(drawn, flags)
+    rec = self.learn(step, keep, report, time.perf_counter() - t0, untrained)
     if rl.speculative_mtp:
       rec.update(draft_metrics(self.engine.stats["drafts"] - drafts0[0],
                                self.engine.stats["drafts_kept"] - drafts0[1]))
     return rec
 
-  def _select(self, drawn: list[list], flags: list[bool]) -> tuple[list, dict]:
-    """(trained rollouts, what was drawn): the pass rates and rewards reported for a step are those
-    of every group drawn, not only of those trained on (which dynamic sampling picks for spread).
-    ``flags``: each drawn group's ``learner.informative`` (dynamic sampling only)."""
+  def _select(self, drawn: list[list], flags: list[bool]) -> tuple[list, dict | None, list]:
+    """(trained rollouts, what was drawn, the rollouts set aside): the pass rates and rewards
+    reported for a step are those of every group drawn, not only of those trained on (which dynamic
+    sampling picks for spread). ``flags``: each drawn group's ``learner.informative`` (dynamic
+    sampling only)."""
     rl = self.cfg.rl
     if not rl.dynamic_sampling:
-      return L.regroup(drawn), None
+      return L.regroup(drawn), None, []
     report = L.score_rollouts(L.regroup(drawn), self.cfg, ks=sorted({1, rl.group_size}))
     keep, report["groups_informative"] = L.dynamic_pick(drawn, flags, rl.tasks_per_step)
     report["groups_drawn"] = len(drawn)
     picked = {id(g) for g in keep}
-    self.untrained = [r for g in drawn if id(g) not in picked for r in g]  # logged, not trained
-    return L.regroup(keep), report
+    return L.regroup(keep), report, [r for g in drawn if id(g) not in picked for r in g]
 
-  def learn(self, step: int, rollouts: list, drawn: dict | None, rollout_s: float) -> dict:
+  def learn(self, step: int, rollouts: list, drawn: dict | None, rollout_s: float,
+            untrained: list = ()) -> dict:
     """Score a step's rollouts, update the policy, publish the new weights; the step's metrics.
-    ``drawn``: score_rollouts of every group sampled this step, when more than were trained on."""
+    ``drawn``: score_rollouts of every group sampled this step, when more than were trained on;
+    ``untrained``: the rollouts dynamic sampling set aside (logged, not trained)."""
     from composer_jax.train.loop import put_batch
     cfg, rl = self.cfg, self.cfg.rl
     t1 = time.perf_counter()
@@ -241,9 +243,8 @@ class RLRun:
     rec.setdefault("routing_mismatch_frac", 0.0)
     for r in rollouts:
       self.rollout_file.write(json.dumps(rollout_record(step, r)) + "\n")
-    for r in self.untrained:
+    for r in untrained:
       self.rollout_file.write(json.dumps(rollout_record(step, r, trained=False)) + "\n")
-    self.untrained = []
     self.rollout_file.flush()
     return rec
 
