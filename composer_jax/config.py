@@ -184,6 +184,11 @@ class RLConfig:
   # Passes over each step's rollouts (PPO epochs), each split into `minibatches` updates: a step's
   # rollouts cost ~10x its update on the tiny config, so passes are cheap learning per sample.
   epochs: int = 1
+  # Learner rows: 0 = one segment a row, a fixed row count (tasks_per_step x group_size), padded to
+  # the longest segment's length bucket; N > 0 = segments packed first-fit into rows of
+  # max(N, that bucket) tokens (segment ids keep them apart), a power-of-two row count. Packing
+  # does less work a step but compiles a shape per new row count (experiments/rl_learner_rows.py).
+  pack_length: int = 0
   seed: int = 0
   tasks: str = ""  # folder of training task directories (`tasks generate --synthetic ... --out`)
   eval_tasks: str = ""  # held-out task folder, evaluated at the end ("" = none)

@@ -115,6 +115,8 @@ def validate(cfg: Config) -> None:
   for name in ("tasks_per_step", "minibatches", "epochs", "decode_batch", "max_new_tokens", "num_workers",
                "dynamic_max_rounds"):
     _require(getattr(r, name) >= 1, f"rl.{name}={getattr(r, name)} must be >= 1")
+  _require(r.pack_length >= 0, f"rl.pack_length={r.pack_length} must be >= 0 (0 = one segment a row, "
+           "N = segments packed into rows of N tokens)")
   _require(0 <= r.curriculum_decay < 1, f"rl.curriculum_decay={r.curriculum_decay} must be in [0, 1)")
   _require(r.prefill_rows >= 0, f"rl.prefill_rows={r.prefill_rows} must be >= 0 (0 = one mixed call)")
   _require(r.temperature > 0, f"rl.temperature={r.temperature} must be > 0")

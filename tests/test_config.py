@@ -46,6 +46,7 @@ def test_base_include_and_overrides():
     ("run.rl_tasks=-1", "run.rl_tasks"),
     ("rl.curriculum=hard", "rl.curriculum"),
     ("rl.curriculum_decay=1.0", "rl.curriculum_decay"),
+    ("rl.pack_length=-1", "rl.pack_length"),
 ])
 def test_bad_values_name_the_field(override, field):
   over = [override] + (["mesh.fsdp=-1"] if override == "mesh.data=-1" else [])

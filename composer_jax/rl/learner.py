@@ -128,25 +128,73 @@ class Row:
   advantage: float = 0.0
 
 
-def pack_rows(rows: list[Row], n_rows: int, length: int, n_moe: int, k: int, pad_id: int) -> dict:
-  """Right-padded [n_rows, length] arrays; padding rows and positions have segment id 0."""
+def first_fit(lengths: list[int], length: int) -> list[list[int]]:
+  """Bins of indices whose lengths sum to at most ``length``: first-fit decreasing (ties by index,
+  so the packing is a function of the lengths alone)."""
+  bins, free = [], []
+  for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    n = lengths[i]
+    if n > length:
+      raise ValueError(f"a sequence of {n} tokens does not fit a row of {length}")
+    b = next((j for j, f in enumerate(free) if n <= f), None)
+    if b is None:
+      bins.append([])
+      free.append(length)
+      b = len(bins) - 1
+    bins[b].append(i)
+    free[b] -= n
+  return bins
+
+
+def placements(bins: list[list[int]], lengths: list[int]) -> list[tuple[int, int]]:
+  """(batch row, first position) of each packed sequence, in input order."""
+  out = [None] * len(lengths)
+  for row, members in enumerate(bins):
+    at = 0
+    for i in members:
+      out[i] = (row, at)
+      at += lengths[i]
+  return out
+
+
+def pack_rows(rows: list[Row], n_rows: int, length: int, n_moe: int, k: int, pad_id: int,
+              bins: list[list[int]] | None = None) -> dict:
+  """Right-padded [n_rows, length] arrays; padding rows and positions have segment id 0.
+
+  Without ``bins`` each row holds one sequence and ``advantages`` is [n_rows]. With ``bins`` (from
+  ``first_fit``) batch row j holds the sequences ``bins[j]`` one after another, with segment ids
+  1, 2, ..., positions restarting at 0 and ``advantages`` per token [n_rows, length]: attention and
+  the loss see each sequence alone (``losses.policy_loss`` takes the segment ids)."""
+  packed = bins is not None
+  bins = bins if packed else [[i] for i in range(len(rows))]
+  if len(bins) > n_rows:
+    raise ValueError(f"{len(bins)} rows of sequences do not fit a batch of {n_rows}")
   b = {"tokens": np.full((n_rows, length), pad_id, np.int32),
        "segment_ids": np.zeros((n_rows, length), np.int32),
        "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (n_rows, length)).copy(),
        "loss_mask": np.zeros((n_rows, length), np.float32),
        "sampler_logp": np.zeros((n_rows, length), np.float32),
-       "advantages": np.zeros((n_rows,), np.float32),
+       "advantages": np.zeros((n_rows, length) if packed else (n_rows,), np.float32),
        "experts": np.full((n_rows, length, max(n_moe, 1), k), -1, np.int32)}
-  for i, r in enumerate(rows):
-    n = min(len(r.tokens), length)
-    b["tokens"][i, :n] = r.tokens[:n]
-    b["segment_ids"][i, :n] = 1
-    if n_moe:
-      b["experts"][i, :n] = r.experts[:n]
-    if r.loss_mask is not None:
-      b["loss_mask"][i, :n] = r.loss_mask[:n]
-      b["sampler_logp"][i, :n] = r.sampler_logp[:n]
-    b["advantages"][i] = r.advantage
+  for i, members in enumerate(bins):
+    at = 0
+    for sid, j in enumerate(members, start=1):
+      r = rows[j]
+      n = min(len(r.tokens), length - at)  # unpacked: a sequence longer than the row is cut
+      s = slice(at, at + n)
+      b["tokens"][i, s] = r.tokens[:n]
+      b["segment_ids"][i, s] = sid
+      b["positions"][i, s] = np.arange(n, dtype=np.int32)
+      if n_moe:
+        b["experts"][i, s] = r.experts[:n]
+      if r.loss_mask is not None:
+        b["loss_mask"][i, s] = r.loss_mask[:n]
+        b["sampler_logp"][i, s] = r.sampler_logp[:n]
+      if packed:
+        b["advantages"][i, s] = r.advantage
+      else:
+        b["advantages"][i] = r.advantage
+      at += n
   return b
 
 
@@ -173,7 +221,7 @@ def row_count(n: int, quantum: int) -> int:
 
 @dataclasses.dataclass
 class TeacherJob:
-  row: int  # student row in the learner batch
+  row: int  # student sequence: its index in segment_rows' rows (= its batch row when unpacked)
   start: int  # first student position of the target message's body
   end: int
   offset: int  # teacher position = student position + offset
@@ -208,8 +256,10 @@ def feedback_jobs(rollouts: list, where: list[tuple[int, int]], tokenizer, cfg: 
   return jobs
 
 
-def attach_teacher(batch: dict, jobs: list[TeacherJob], teacher: dict, topk: int) -> dict:
-  """Write the teacher rows (target-aligned, from ``teacher_fn``) onto the student positions."""
+def attach_teacher(batch: dict, jobs: list[TeacherJob], teacher: dict, topk: int,
+                   place: list[tuple[int, int]] | None = None) -> dict:
+  """Write the teacher rows (target-aligned, from ``teacher_fn``) onto the student positions.
+  ``place``: (batch row, first position) of each student row when the batch is packed."""
   n_rows, length = batch["tokens"].shape
   width = topk if topk > 0 else teacher["logp"].shape[-1]
   batch["fb_mask"] = np.zeros((n_rows, length), np.float32)
@@ -218,13 +268,15 @@ def attach_teacher(batch: dict, jobs: list[TeacherJob], teacher: dict, topk: int
     batch["fb_idx"] = np.zeros((n_rows, length, topk), np.int32)
     batch["fb_tail"] = np.zeros((n_rows, length), np.float32)
   for j, job in enumerate(jobs):
-    s = slice(job.start, min(job.end, length))
-    t = slice(job.start + job.offset, min(job.end, length) + job.offset)
-    batch["fb_mask"][job.row, s] = 1.0
-    batch["fb_logp"][job.row, s] = teacher["logp"][j, t]
+    row, at = place[job.row] if place is not None else (job.row, 0)
+    end = min(job.end, length - at)
+    s = slice(job.start + at, end + at)
+    t = slice(job.start + job.offset, end + job.offset)
+    batch["fb_mask"][row, s] = 1.0
+    batch["fb_logp"][row, s] = teacher["logp"][j, t]
     if topk > 0:
-      batch["fb_idx"][job.row, s] = teacher["idx"][j, t]
-      batch["fb_tail"][job.row, s] = teacher["tail_logp"][j, t]
+      batch["fb_idx"][row, s] = teacher["idx"][j, t]
+      batch["fb_tail"][row, s] = teacher["tail_logp"][j, t]
   return batch
 
 
@@ -262,7 +314,7 @@ def make_rl_loss(cfg: Config):
     old = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
     pg_batch = {"old_logp": old, "sampler_logp": batch["sampler_logp"],
                 "advantages": batch["advantages"], "loss_mask": batch["loss_mask"], "entropy": ent,
-                "ref_logp": batch.get("ref_logp")}
+                "ref_logp": batch.get("ref_logp"), "segment_ids": batch["segment_ids"]}
     loss, metrics = policy_loss(logp, pg_batch, rl)
     mask = batch["loss_mask"]
     if out.live_routing is not None:

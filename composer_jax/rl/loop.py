@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import time
@@ -138,13 +139,21 @@ class RLRun:
     rows, where = L.segment_rows(rollouts, stats["advantages"])
     mesh = self.tr.mesh
     n_batch_shards = int(np.prod([mesh.shape[a] for a in ("data", "fsdp", "expert")]))
-    quantum = int(np.lcm(cfg.train.grad_accum * rl.minibatches * n_batch_shards,
-                         rl.tasks_per_step * rl.group_size))
-    n_rows = L.row_count(len(rows), quantum)
-    length = L.bucket(max(len(r.tokens) for r in rows), rl.max_context)
+    quantum = cfg.train.grad_accum * rl.minibatches * n_batch_shards
     pad = self.tok.pad_id if self.tok.pad_id is not None else 0
-    batch = L.pack_rows(rows, n_rows, length, m.n_moe_layers, m.n_experts_per_tok, pad)
-    info = {"hints": 0}
+    lengths = [len(r.tokens) for r in rows]
+    length = L.bucket(max(lengths), rl.max_context)
+    if rl.pack_length:  # rows holding several segments; a power-of-two count of quanta
+      length = max(length, rl.pack_length)
+      bins = L.first_fit(lengths, length)
+      n_rows = quantum * (1 << max(0, math.ceil(math.log2(-(-len(bins) // quantum)))))
+      place = L.placements(bins, lengths)
+    else:  # one segment a row; a fixed row count (one shape per length bucket)
+      bins, place = None, None
+      n_rows = L.row_count(len(rows), int(np.lcm(quantum, rl.tasks_per_step * rl.group_size)))
+    batch = L.pack_rows(rows, n_rows, length, m.n_moe_layers, m.n_experts_per_tok, pad, bins)
+    info = {"hints": 0, "rows": n_rows, "row_length": length,
+            "fill": float(sum(lengths)) / (n_rows * length)}
     if self.teacher_fn is not None:
       jobs = L.feedback_jobs(rollouts, where, self.tok, cfg)
       info["hints"] = len(jobs)
@@ -157,7 +166,7 @@ class RLRun:
             self.tr.state["params"], self.tr.state["rest"])
         teacher = jax.device_get(self.teacher_fn(params, rest, tb["tokens"], tb["segment_ids"],
                                                  tb["positions"], tb["experts"]))
-      L.attach_teacher(batch, jobs, teacher, rl.feedback_topk)
+      L.attach_teacher(batch, jobs, teacher, rl.feedback_topk, place)
     if rl.minibatches > 1 or rl.epochs > 1:  # later updates are off the sampling weights
       batch["old_logp"] = np.asarray(self.logp_fn(self.tr.state["params"], self.tr.state["rest"], batch))
     if rl.kl_coef > 0:
@@ -232,7 +241,8 @@ class RLRun:
            "completion_tokens_mean": float(np.mean([r.completion_tokens for r in rollouts])),
            "length_penalty_mean": float(np.mean([r.parts.get("length_penalty", 0.0) for r in rollouts])),
            "shaping_penalty_mean": float(np.mean([r.parts.get("shaping_penalty", 0.0) for r in rollouts])),
-           "hints": info["hints"], "summaries": int(sum(r.summaries for r in rollouts)),
+           "hints": info["hints"], "learner_rows": info["rows"], "learner_row_length": info["row_length"],
+           "learner_fill": info["fill"], "summaries": int(sum(r.summaries for r in rollouts)),
            "segments": int(sum(len(r.segments) for r in rollouts)),
            "tokens_per_segment": float(np.mean([len(s) for r in rollouts for s in r.segments])),
            "flagged_hacks": stats["flagged_hacks"], "cut_episodes": int(sum(r.cut for r in rollouts)),

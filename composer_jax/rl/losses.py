@@ -49,20 +49,30 @@ def _masked_mean(x, mask):
   return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def importance_weights(old_logp, sampler_logp, mask, cfg: RLConfig):
+def segment_totals(x, segment_ids):
+  """Per token, the sum of ``x`` [b, s] over the token's sequence: its row and segment id (packed
+  rows hold several sequences, ids 1..n; padding is id 0)."""
+  b, s = x.shape
+  ids = (jnp.arange(b, dtype=jnp.int32)[:, None] * s + segment_ids.astype(jnp.int32)).reshape(-1)
+  tot = jax.ops.segment_sum(x.reshape(-1), ids, num_segments=b * s)
+  return tot[ids].reshape(b, s)
+
+
+def importance_weights(old_logp, sampler_logp, mask, cfg: RLConfig, segment_ids=None):
   """Sampler -> trainer importance weights [b, s] (stop-gradient) and the tokens cut off.
 
   The raw ratio is pi_old / pi_sampler. ``is_level="token"``: per token, exp(old - sampler).
   ``is_level="sequence"``: the GEOMETRIC MEAN of the token ratios over the sequence's masked tokens,
   exp(mean_t(old - sampler)), given to every token of the sequence (a product would explode or vanish
-  with length). ``is_mode="truncate"``: w = min(ratio, is_clip). ``is_mode="mask"`` (IcePop): w =
+  with length). A sequence is a row, or with ``segment_ids`` a (row, segment id): packed rows hold
+  several. ``is_mode="truncate"``: w = min(ratio, is_clip). ``is_mode="mask"`` (IcePop): w =
   ratio inside [1/is_clip, is_clip], 0 outside. Returns (w, cut) where ``cut`` marks the truncated
   (or masked) tokens.
   """
   d = jnp.where(mask > 0, old_logp - sampler_logp, 0.0)
   if cfg.is_level == "sequence":
-    d = jnp.sum(d * mask, axis=1, keepdims=True) / jnp.maximum(jnp.sum(mask, axis=1, keepdims=True), 1.0)
-    d = jnp.broadcast_to(d, mask.shape)
+    seg = jnp.ones(mask.shape, jnp.int32) if segment_ids is None else segment_ids
+    d = segment_totals(d * mask, seg) / jnp.maximum(segment_totals(mask, seg), 1.0)
   ratio = jnp.exp(d)
   if cfg.is_mode == "mask":
     keep = (ratio >= 1.0 / cfg.is_clip) & (ratio <= cfg.is_clip)
@@ -85,7 +95,9 @@ def policy_loss(logp, batch: dict, cfg: RLConfig, denom=None):
   (the token or sequence count of the whole update batch, so micro-batches add up to the full batch).
 
   ``batch``: ``old_logp``, ``sampler_logp``, ``advantages``, ``loss_mask`` and optionally ``ref_logp``
-  and ``entropy`` (for the metric), all target-aligned [b, s] float32 (advantages may be [b]).
+  and ``entropy`` (for the metric), all target-aligned [b, s] float32 (advantages may be [b]), and
+  optionally ``segment_ids`` [b, s]: then a sequence (for "seq_sum" and sequence-level weights) is a
+  (row, segment id), as in packed rows; without them it is a row.
   """
   mask = batch["loss_mask"].astype(jnp.float32)
   logp = logp.astype(jnp.float32)
@@ -100,7 +112,8 @@ def policy_loss(logp, batch: dict, cfg: RLConfig, denom=None):
   pg1 = -adv * ratio
   pg2 = -adv * jnp.clip(ratio, 1.0 - cfg.ppo_clip_low, 1.0 + cfg.ppo_clip_high)
   pg = jnp.maximum(pg1, pg2)
-  w, cut = importance_weights(old, batch["sampler_logp"].astype(jnp.float32), mask, cfg)
+  seg = batch.get("segment_ids")
+  w, cut = importance_weights(old, batch["sampler_logp"].astype(jnp.float32), mask, cfg, seg)
   per_tok = w * pg
   kl_ref = None
   if batch.get("ref_logp") is not None and cfg.kl_coef:
@@ -109,7 +122,11 @@ def policy_loss(logp, batch: dict, cfg: RLConfig, denom=None):
     per_tok = per_tok + cfg.kl_coef * kl_ref
   n_tok = jnp.sum(mask)
   if cfg.loss_agg == "seq_sum":
-    n_seq = jnp.sum((jnp.sum(mask, axis=1) > 0).astype(jnp.float32))
+    if seg is None:
+      n_seq = jnp.sum((jnp.sum(mask, axis=1) > 0).astype(jnp.float32))
+    else:  # each sequence with masked tokens adds up to 1 over them
+      on_f = on.astype(jnp.float32)
+      n_seq = jnp.sum(on_f / jnp.maximum(segment_totals(on_f, seg), 1.0))
     div = jnp.maximum(n_seq, 1.0) if denom is None else denom
   else:
     div = jnp.maximum(n_tok, 1.0) if denom is None else denom

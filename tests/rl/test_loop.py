@@ -29,7 +29,7 @@ def test_rl_loop_metrics_checkpoint_resume_and_eval(world, capsys):
   root, init, tasks = world
   out = root / "rl"
   over = MODEL + RL + [f"rl.tasks={tasks}", "rl.feedback_kl_coef=0.1", "rl.feedback_topk=8",
-                       "rl.length_penalty=0.05"]
+                       "rl.length_penalty=0.05", "rl.pack_length=1024"]
   assert main(["rl", "configs/tiny.yaml", "--out", str(out), "--init", init, "rl.steps=1", *over]) == 0
   need = {"step", "reward_mean", "pass_rate", "pass@1", "pass@2", "completion_tokens_mean",
           "train_infer_logprob_abs_diff", "routing_mismatch_frac", "length_penalty_mean", "feedback_kl",
@@ -45,6 +45,10 @@ def test_rl_loop_metrics_checkpoint_resume_and_eval(world, capsys):
     # Rollouts were sampled with the weights being trained, and the learner replays their routes.
     assert r["train_infer_logprob_abs_diff"] < 1e-4 and r["routing_mismatch_frac"] < 0.01
     assert r["completion_tokens_mean"] > 0 and r["version"] == r["step"]
+    # rl.pack_length: the step's 4 segments go into a power-of-two count of rows of 1024 tokens
+    rows = r["learner_rows"]
+    assert r["learner_row_length"] == 1024 and rows & (rows - 1) == 0 and 1 <= rows <= r["segments"] == 4
+    assert 0 < r["learner_fill"] <= 1
   tasks_seen = [json.loads(x)["task"] for x in (out / "rollouts.jsonl").read_text().splitlines()]
   assert len(tasks_seen) == 8 and len(set(tasks_seen)) == 4  # each of the 4 tasks, twice (a group)
   assert sorted(os.listdir(out / "checkpoints")) == ["1", "2"]
@@ -74,6 +78,45 @@ def _sampled_batch(cfg, graphdef, params, rest, tok, tasks):
   length = L.bucket(max(len(r.tokens) for r in rows), cfg.rl.max_context)
   m = cfg.model
   return L.pack_rows(rows, 2, length, m.n_moe_layers, m.n_experts_per_tok, tok.pad_id)
+
+
+@pytest.mark.parametrize("variant", [[], ["rl.loss_agg=seq_sum", "rl.is_level=sequence"]])
+def test_packed_learner_rows_give_the_one_row_each_loss_and_gradient(world, variant):
+  """Two sampled episodes with advantages +1 and -0.5, one a row (padded) and packed into one row of
+  max_context: the RL loss (model forward with router replay, segment-masked attention, restarted
+  positions) and its gradient agree within float32 noise (rtol 1e-4)."""
+  from flax import nnx
+
+  from composer_jax.env.tasks import load_tasks
+  from composer_jax.rl.agent import Job, RolloutRunner
+  from composer_jax.rl.loop import load_policy
+  from composer_jax.rl.sampler import Engine
+  _, init, tasks = world
+  cfg = _rl_cfg(world, "rl.max_new_tokens=24", *variant)
+  _, tok, graphdef, params, rest = load_policy(init)
+  engine = Engine(graphdef, params, rest, cfg, n_slots=2, max_len=cfg.rl.max_context, seed=11)
+  rollouts = RolloutRunner(engine, tok, cfg).run([Job(t, i) for i, t in enumerate(load_tasks(tasks)[:2])])
+  rows, _ = L.segment_rows(rollouts, [1.0, -0.5])
+  lengths = [len(r.tokens) for r in rows]
+  m = cfg.model
+  flat = L.pack_rows(rows, len(rows), L.bucket(max(lengths), cfg.rl.max_context), m.n_moe_layers,
+                     m.n_experts_per_tok, tok.pad_id)
+  bins = L.first_fit(lengths, cfg.rl.max_context)
+  assert len(bins) == 1 and len(rows) >= 2  # the episodes share one row
+  packed = L.pack_rows(rows, 1, cfg.rl.max_context, m.n_moe_layers, m.n_experts_per_tok, tok.pad_id, bins)
+  loss_fn = L.make_rl_loss(cfg)
+
+  def loss(p, batch):
+    out = loss_fn(nnx.merge(graphdef, p, rest), {k: jnp.asarray(v) for k, v in batch.items()}, cfg)
+    return out[0], out[1]
+
+  (l1, m1), g1 = jax.value_and_grad(loss, has_aux=True)(params, flat)
+  (l2, m2), g2 = jax.value_and_grad(loss, has_aux=True)(params, packed)
+  assert abs(float(l1)) > 0.1 and float(l2) == pytest.approx(float(l1), rel=1e-4)
+  assert float(m1["tokens"]) == float(m2["tokens"]) > 0
+  assert float(m2["train_infer_logprob_abs_diff"]) < 1e-4 and float(m2["routing_mismatch_frac"]) < 0.01
+  scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g1))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * scale), g1, g2)
 
 
 def test_router_replay_closes_the_train_infer_gap(world):

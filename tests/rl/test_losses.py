@@ -265,3 +265,54 @@ def test_feedback_kl_full_equals_topk_vocab():
   assert float(vg(student, t3, 3)[0]) <= float(kf) + 1e-6
   _, _, per_tok = feedback_kl(student, full, mask, 0, per_token=True)
   assert per_tok.shape == (b, s) and float(per_tok.sum() / mask.sum()) == pytest.approx(float(kf), abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed rows: several sequences a row, told apart by segment ids, give the one-row-each loss
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", [{}, {"loss_agg": "seq_sum"}, {"is_level": "sequence"},
+                                     {"is_level": "sequence", "is_mode": "mask", "loss_agg": "seq_sum"}])
+def test_policy_loss_on_packed_rows_equals_one_row_per_sequence(variant):
+  """Five sequences of 3-7 tokens, one a row (the reference: row semantics, tested by hand above)
+  and packed two or three a row with segment ids and per-token advantages: same loss, metrics and
+  gradient (float32, atol 1e-6)."""
+  cfg = dataclasses.replace(RLConfig(is_clip=1.5), **variant)
+  rng = np.random.default_rng(3)
+  lens = [5, 3, 7, 4, 6]
+  seqs = []
+  for n in lens:
+    m = (rng.random(n) < 0.7).astype(np.float32)
+    m[0] = 0.0  # position 0 of a sequence predicts nothing
+    old = rng.normal(-1.0, 0.5, n)
+    seqs.append({"loss_mask": m, "old_logp": old, "sampler_logp": old + rng.normal(0, 0.4, n),
+                 "logp": old + rng.normal(0, 0.3, n), "adv": rng.normal()})
+  one = {k: np.zeros((5, 8), np.float32) for k in ("loss_mask", "old_logp", "sampler_logp", "logp")}
+  one["advantages"] = np.array([s["adv"] for s in seqs], np.float32)
+  bins = [[2, 1], [4, 0], [3]]  # 10, 11 and 4 tokens in rows of 12
+  packed = {k: np.zeros((3, 12), np.float32) for k in ("loss_mask", "old_logp", "sampler_logp", "logp",
+                                                       "advantages")}
+  packed["segment_ids"] = np.zeros((3, 12), np.int32)
+  where = {}
+  for row, members in enumerate(bins):
+    at = 0
+    for sid, i in enumerate(members, start=1):
+      where[i] = (row, at)
+      n = lens[i]
+      for k in ("loss_mask", "old_logp", "sampler_logp", "logp"):
+        one[k][i, :n] = seqs[i][k]
+        packed[k][row, at:at + n] = seqs[i][k]
+      packed["advantages"][row, at:at + n] = seqs[i]["adv"]
+      packed["segment_ids"][row, at:at + n] = sid
+      at += n
+  as_j = lambda b: {k: jnp.asarray(v) for k, v in b.items() if k != "logp"}
+  l1, m1 = policy_loss(jnp.asarray(one["logp"]), as_j(one), cfg)
+  l2, m2 = policy_loss(jnp.asarray(packed["logp"]), as_j(packed), cfg)
+  assert float(l2) == pytest.approx(float(l1), abs=1e-6)
+  for k in ("pg_loss", "tokens", "clip_frac", "ratio_mean", "is_weight_mean", "is_clipped_frac"):
+    assert float(m2[k]) == pytest.approx(float(m1[k]), abs=1e-6), k
+  g1 = _grad(lambda lp: losses.policy_loss(lp, as_j(one), cfg)[0], jnp.asarray(one["logp"]))
+  g2 = _grad(lambda lp: losses.policy_loss(lp, as_j(packed), cfg)[0], jnp.asarray(packed["logp"]))
+  for i, (row, at) in where.items():
+    np.testing.assert_allclose(g2[row, at:at + lens[i]], g1[i, :lens[i]], atol=1e-6)
+  assert float(m1["is_clipped_frac"]) > 0 or cfg.is_level == "sequence"  # the cap is exercised
