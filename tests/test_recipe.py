@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from composer_jax.env import sandbox
-from composer_jax.recipe import bootstrap_ci
+from composer_jax.recipe import bootstrap_ci, paired_difference
 
 SMALL = ["train.steps=2", "train.eval_every=0", "data.tokenizer_train_mb=1", "data.max_files=200",
          "run.train_tasks=4", "run.rl_tasks=3", "run.heldout_tasks=2", "run.unseen_tasks=2", "run.eval_samples=2",
@@ -28,6 +28,22 @@ def test_bootstrap_ci_brackets_the_mean():
   assert bootstrap_ci([1.0] * 10) == (1.0, 1.0)
 
 
+def test_paired_difference_is_per_task_and_narrower_than_the_unpaired_spread():
+  """40 tasks, half always solved and half never; the after-policy gains one sample on 8 of them.
+  The paired mean is exactly 8 * 0.5 / 40; its interval is that of the per-task differences alone,
+  so it excludes 0, while either policy's own interval spans ~0.3 (the hard/easy spread)."""
+  before = {f"t{i}": {"c": 2 * (i % 2), "n": 2} for i in range(40)}
+  after = {k: dict(v) for k, v in before.items()}
+  for i in range(0, 16, 2):  # 8 never-solved tasks now solved once in 2
+    after[f"t{i}"]["c"] = 1
+  after["extra"] = {"c": 2, "n": 2}  # evaluated by one policy only: left out
+  p = paired_difference(before, after)
+  assert p["tasks"] == 40 and p["mean"] == pytest.approx(0.1)
+  assert 0 < p["ci95"][0] < 0.1 < p["ci95"][1] < 0.2
+  lo, hi = bootstrap_ci([v["c"] / v["n"] for v in before.values()])
+  assert hi - lo > 2 * (p["ci95"][1] - p["ci95"][0])
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sandbox.bwrap_available(), reason="bubblewrap cannot run here")
 def test_main_job_small(tmp_path, capsys):
@@ -44,6 +60,9 @@ def test_main_job_small(tmp_path, capsys):
     assert sum(f["tasks"] for f in fams.values()) == 2
     assert np.isclose(sum(f["pass@1"] * f["tasks"] for f in fams.values()) / 2, part["pass@1"])
   assert np.isclose(s["rl_minus_sft_pass@1"], s["rl"]["pass@1"] - s["sft"]["pass@1"])
+  paired = s["rl_minus_sft_paired"]
+  assert paired["tasks"] == 2 and np.isclose(paired["mean"], s["rl_minus_sft_pass@1"])
+  assert paired["ci95"][0] <= paired["mean"] <= paired["ci95"][1]
   assert set(s["wall_s"]) == {"pretrain", "tasks", "expert", "sft", "eval_sft", "rl", "eval_rl"}
   # RL ran on tasks of its own, none of them an SFT task.
   rl_ids = {d for d in os.listdir(out / "tasks" / "rl") if d.startswith("syn-")}
