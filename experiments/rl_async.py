@@ -5,6 +5,11 @@ async / sync speed (sync wall / async wall), the learner's idle fraction (waitin
 rollout workers' idle fraction and rollout tokens/s.
 
   python experiments/rl_async.py [--steps 4] [--workers 1] [--staleness 1] [--note "..."]
+
+With ``--run DIR`` (a `composer-jax run` directory) it times the main job's RL instead: DIR's SFT
+policy, DIR's RL tasks and DIR's config with its ``run.rl_overrides``, but without dynamic sampling
+and the family curriculum, so that both loops sample the same number of episodes of the same tasks
+a step -> results/rl_async_main_job.json.
 """
 
 from __future__ import annotations
@@ -69,29 +74,41 @@ def main(argv=None) -> int:
   ap.add_argument("--workers", type=int, default=1)
   ap.add_argument("--staleness", type=int, default=1)
   ap.add_argument("--note", default="")
+  ap.add_argument("--run", default="", help="time the RL stage of this `composer-jax run` directory")
   a = ap.parse_args(argv)
   from composer_jax.config import load_config
+  from composer_jax.recipe import stage_config
   from composer_jax.rl.async_loop import AsyncRLRun
   from composer_jax.rl.loop import RLRun
   root = tempfile.mkdtemp(prefix="rl_async_")
-  init, tasks = _world(root)
-  over = MODEL + RL + [f"rl.tasks={tasks}", f"rl.tasks_per_step={a.tasks_per_step}",
-                       f"rl.steps={a.steps + 1}"]
+  if a.run:
+    base = load_config(os.path.join(a.run, "config.yaml"))
+    init = os.path.join(a.run, "sft")
+    over = [f"rl.tasks={os.path.join(a.run, 'tasks', 'rl')}", *base.run.rl_overrides,
+            "rl.dynamic_sampling=false", "rl.curriculum=none", f"rl.steps={a.steps + 1}",
+            "checkpoint.every=0", "train.progress=false"]
+    make = lambda extra: stage_config(base, over + extra)
+  else:
+    init, tasks = _world(root)
+    over = MODEL + RL + [f"rl.tasks={tasks}", f"rl.tasks_per_step={a.tasks_per_step}",
+                         f"rl.steps={a.steps + 1}"]
+    make = lambda extra: load_config(None, over + extra)
   quiet = lambda m: None
-  sync = RLRun(load_config(None, over), os.path.join(root, "sync"), init=init, log=quiet)
+  sync = RLRun(make(["rl.async=false"]), os.path.join(root, "sync"), init=init, log=quiet)
   sync_s, sync_recs = _timed(sync, a.steps)
   sync.rollout_file.close()
-  cfg = load_config(None, over + ["rl.async=true", f"rl.num_workers={a.workers}",
-                                  f"rl.max_staleness={a.staleness}"])
+  cfg = make(["rl.async=true", f"rl.num_workers={a.workers}", f"rl.max_staleness={a.staleness}"])
+  episodes = cfg.rl.tasks_per_step * cfg.rl.group_size
   run = AsyncRLRun(cfg, os.path.join(root, "async"), init=init, log=quiet)
   try:
     async_s, async_recs = _timed(run, a.steps)
   finally:
     run.orch.shutdown()
-  sync_tok = sum(r["completion_tokens_mean"] * a.tasks_per_step * 2 for r in sync_recs)
-  async_tok = sum(r["completion_tokens_mean"] * a.tasks_per_step * 2 for r in async_recs)
+  sync_tok = sum(r["completion_tokens_mean"] * episodes for r in sync_recs)
+  async_tok = sum(r["completion_tokens_mean"] * episodes for r in async_recs)
   res = {
-      "steps": a.steps, "tasks_per_step": a.tasks_per_step, "group_size": 2, "workers": a.workers,
+      "run": a.run or None, "steps": a.steps, "tasks_per_step": cfg.rl.tasks_per_step,
+      "group_size": cfg.rl.group_size, "epochs": cfg.rl.epochs, "workers": a.workers,
       "max_staleness": a.staleness, "sync_wall_s": sync_s, "async_wall_s": async_s,
       "speedup": sync_s / async_s, "goal": ">= 1.3",
       # Without the first timed step: the sync engine's first rollout after a weight update
@@ -119,7 +136,7 @@ def main(argv=None) -> int:
         f"(steady {res['speedup_steady']:.2f}x); learner idle "
         f"{res['async']['learner_idle_frac']:.2f}, rollout idle {res['async']['rollout_idle_frac']:.2f}, "
         f"rollout {res['async']['rollout_tokens_per_s']:.1f} tok/s")
-  write_result("rl_async", res)
+  write_result("rl_async_main_job" if a.run else "rl_async", res)
   return 0
 
 
