@@ -189,6 +189,12 @@ class RLConfig:
   # max(N, that bucket) tokens (segment ids keep them apart), a power-of-two row count. Packing
   # does less work a step but compiles a shape per new row count (experiments/rl_learner_rows.py).
   pack_length: int = 0
+  # PPO-ptx (InstructGPT): each update also minimises sft_mix_coef x the mean cross-entropy of the
+  # assistant tokens of sft_mix_rows chats drawn from sft_mix_path (the SFT trajectories; the main
+  # job fills the path in), so what the RL batch does not exercise is not forgotten (0 = off).
+  sft_mix_coef: float = 0.0
+  sft_mix_path: str = ""
+  sft_mix_rows: int = 4
   seed: int = 0
   tasks: str = ""  # folder of training task directories (`tasks generate --synthetic ... --out`)
   eval_tasks: str = ""  # held-out task folder, evaluated at the end ("" = none)

@@ -115,6 +115,10 @@ def validate(cfg: Config) -> None:
   for name in ("tasks_per_step", "minibatches", "epochs", "decode_batch", "max_new_tokens", "num_workers",
                "dynamic_max_rounds"):
     _require(getattr(r, name) >= 1, f"rl.{name}={getattr(r, name)} must be >= 1")
+  _require(r.sft_mix_coef >= 0, f"rl.sft_mix_coef={r.sft_mix_coef} must be >= 0 (0 = off)")
+  _require(r.sft_mix_rows >= 1, f"rl.sft_mix_rows={r.sft_mix_rows} must be >= 1")
+  _require(not r.sft_mix_coef or r.sft_mix_path, "rl.sft_mix_coef > 0 needs rl.sft_mix_path: the SFT "
+           "trajectories, a JSONL file of chats (the main job fills it in)")
   _require(r.pack_length >= 0, f"rl.pack_length={r.pack_length} must be >= 0 (0 = one segment a row, "
            "N = segments packed into rows of N tokens)")
   _require(0 <= r.curriculum_decay < 1, f"rl.curriculum_decay={r.curriculum_decay} must be in [0, 1)")

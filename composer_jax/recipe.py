@@ -166,11 +166,17 @@ class Recipe:
   def _rl(self) -> dict:
     from composer_jax.rl.loop import run_rl
     r = self.cfg.run
-    cfg = stage_config(self.cfg, [f"rl.tasks={self._rl_tasks_dir()}"] + list(r.rl_overrides))
+    cfg = stage_config(self.cfg, [f"rl.tasks={self._rl_tasks_dir()}", *self.rl_defaults()]
+                       + list(r.rl_overrides))
     d = self.path("rl")
     resume = os.path.isdir(os.path.join(d, "checkpoints")) and bool(os.listdir(os.path.join(d, "checkpoints")))
     last = run_rl(cfg, d, init=None if resume else self.path("sft"), resume=resume, log=self.log)
     return {"final": {k: v for k, v in last.items() if isinstance(v, (int, float))}}
+
+  def rl_defaults(self) -> list[str]:
+    """What the RL stage takes from this run unless its overrides say otherwise: the SFT
+    trajectories for rl.sft_mix_coef."""
+    return [f"rl.sft_mix_path={self.path('sft', 'trajectories.jsonl')}"]
 
   # -- the job --------------------------------------------------------------------------------------
 
@@ -292,8 +298,9 @@ def resolve_beside(path: str, config_path: str | None) -> str:
 def _main(args) -> int:
   from composer_jax.config import load_config
   cfg = load_config(args.config, args.overrides)
-  for name in ("sft_overrides", "rl_overrides", "pretrain_overrides", "eval_overrides"):
+  for name in ("sft_overrides", "pretrain_overrides", "eval_overrides"):
     stage_config(cfg, getattr(cfg.run, name))  # a bad stage override fails now, in one line
+  stage_config(cfg, ["rl.sft_mix_path=sft/trajectories.jsonl"] + list(cfg.run.rl_overrides))
   if cfg.run.base:  # before any stage: a wrong base is one line, not a failed pretraining stage
     from composer_jax.train.init import check_base
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, base=resolve_beside(

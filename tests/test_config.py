@@ -47,6 +47,8 @@ def test_base_include_and_overrides():
     ("rl.curriculum=hard", "rl.curriculum"),
     ("rl.curriculum_decay=1.0", "rl.curriculum_decay"),
     ("rl.pack_length=-1", "rl.pack_length"),
+    ("rl.sft_mix_coef=-0.1", "rl.sft_mix_coef"),
+    ("rl.sft_mix_coef=0.1", "rl.sft_mix_path"),
 ])
 def test_bad_values_name_the_field(override, field):
   over = [override] + (["mesh.fsdp=-1"] if override == "mesh.data=-1" else [])

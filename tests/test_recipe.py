@@ -17,7 +17,8 @@ SMALL = ["train.steps=2", "train.eval_every=0", "data.tokenizer_train_mb=1", "da
          # the RL switches of configs/tiny.yaml (dynamic sampling, family curriculum, two PPO
          # passes), at a size that runs in seconds
          ("run.rl_overrides=[rl.steps=1,rl.tasks_per_step=2,rl.group_size=2,rl.max_new_tokens=16,"
-          "rl.dynamic_sampling=true,rl.dynamic_max_rounds=2,rl.curriculum=family,rl.epochs=2]"),
+          "rl.dynamic_sampling=true,rl.dynamic_max_rounds=2,rl.curriculum=family,rl.epochs=2,"
+          "rl.sft_mix_coef=0.1,rl.sft_mix_rows=2]"),
          "run.eval_overrides=[rl.max_new_tokens=16,env.max_turns=2]",
          "train.progress=false", "mesh.data=1"]
 
@@ -68,12 +69,18 @@ def test_main_job_small(tmp_path, capsys):
   rl_ids = {d for d in os.listdir(out / "tasks" / "rl") if d.startswith("syn-")}
   assert len(rl_ids) == 3 and not rl_ids & set(os.listdir(out / "tasks" / "train"))
   with open(out / "rl" / "config.yaml") as f:
-    assert str(out / "tasks" / "rl") in f.read()
+    rl_cfg = f.read()
+  assert str(out / "tasks" / "rl") in rl_cfg
+  # PPO-ptx: the RL stage mixed in SFT's own trajectories.
+  assert f"sft_mix_path: {out / 'sft' / 'trajectories.jsonl'}" in rl_cfg
+  rl_metrics = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+  assert all(np.isfinite(r["sft_mix_ce"]) and r["sft_mix_ce"] > 0 for r in rl_metrics)
   for d in ("pretrain/plots", "sft/plots", "rl/plots"):
     assert os.listdir(out / d)
   assert os.path.getsize(out / "score_vs_tokens.png") > 1000
   printed = capsys.readouterr().out
-  assert "RL - SFT held-out pass@1" in printed and "held-out family" in printed
+  assert "RL - SFT held-out pass@1" in printed and "paired 95% CI" in printed
+  assert "held-out family" in printed
   # --resume skips every finished stage.
   assert main(["run", "configs/tiny.yaml", "--out", str(out), "--resume", *SMALL]) == 0
   assert capsys.readouterr().out.count("done earlier, skipped") == 7

@@ -198,6 +198,36 @@ def pack_rows(rows: list[Row], n_rows: int, length: int, n_moe: int, k: int, pad
   return b
 
 
+def sft_rows(chats: list[dict], n_rows: int, length: int, n_moe: int, k: int, pad_id: int) -> dict:
+  """PPO-ptx rows: chats ({"tokens", "loss_mask"} of ``data.sft.encode_chat``) one a row, cut to
+  ``length``, with no policy-gradient tokens (loss_mask 0) and ``sft_mask`` on the assistant's
+  tokens; experts -1, so the router chooses live (there is no sampled route to replay)."""
+  rows = [Row(c["tokens"], np.full((len(c["tokens"]), max(n_moe, 1), k), -1, np.int32)) for c in chats]
+  b = pack_rows(rows, n_rows, length, n_moe, k, pad_id)
+  b["sft_mask"] = np.zeros((n_rows, length), np.float32)
+  for i, c in enumerate(chats):
+    n = min(len(c["tokens"]), length)
+    b["sft_mask"][i, :n] = c["loss_mask"][:n]
+  return b
+
+
+def interleave(rl: dict, sft: dict, parts: int) -> dict:
+  """The RL batch with the SFT rows added so that each of ``parts`` contiguous row blocks (the
+  minibatches) gets an equal share of both; ``sft_mask`` is 0 on the RL rows."""
+  rl = dict(rl, sft_mask=np.zeros(rl["tokens"].shape, np.float32))
+  n_rl, n_sft = rl["tokens"].shape[0], sft["tokens"].shape[0]
+  if n_rl % parts or n_sft % parts:
+    raise ValueError(f"{n_rl} RL rows and {n_sft} SFT rows do not split into {parts} minibatches")
+  a, b = n_rl // parts, n_sft // parts
+  out = {}
+  for key, v in rl.items():
+    w = sft[key] if key in sft else np.zeros((n_sft,) + v.shape[1:], v.dtype)  # e.g. fb_* (feedback)
+    if v.ndim != w.ndim:  # per-row advantages (unpacked) against per-token (packed): never mixed
+      w = w[:, 0] if w.ndim > v.ndim else np.broadcast_to(w[:, None], (w.shape[0],) + v.shape[1:])
+    out[key] = np.concatenate([x for i in range(parts) for x in (v[i * a:(i + 1) * a], w[i * b:(i + 1) * b])])
+  return out
+
+
 def segment_rows(rollouts: list, advantages) -> tuple[list[Row], list[tuple[int, int]]]:
   """One row per segment; every segment of an episode carries the episode's advantage (ReSum-GRPO).
   Also returns (rollout index, segment index) per row."""
@@ -316,6 +346,12 @@ def make_rl_loss(cfg: Config):
                 "advantages": batch["advantages"], "loss_mask": batch["loss_mask"], "entropy": ent,
                 "ref_logp": batch.get("ref_logp"), "segment_ids": batch["segment_ids"]}
     loss, metrics = policy_loss(logp, pg_batch, rl)
+    if rl.sft_mix_coef > 0 and "sft_mask" in batch:
+      lp = logp if rl.temperature == 1.0 else token_logprobs(out.logits, batch["tokens"])
+      sm = batch["sft_mask"]
+      ce = -jnp.sum(lp * sm) / jnp.maximum(jnp.sum(sm), 1.0)
+      loss = loss + rl.sft_mix_coef * ce
+      metrics.update(sft_mix_ce=ce, loss=loss)
     mask = batch["loss_mask"]
     if out.live_routing is not None:
       # Tokens whose live router choice differs from the sampler's in at least one layer.

@@ -128,12 +128,13 @@ class RLRun:
     self.runner = RolloutRunner(self.engine, self.tok, cfg, mode=self.mode, log=log)
     self.teacher_fn = L.make_teacher_fn(self.tr.graphdef, cfg) if rl.feedback_kl_coef > 0 else None
     self.logp_fn = _make_logp_fn(self.tr.graphdef, cfg)
+    self.sft_chats = _load_sft_chats(rl.sft_mix_path, self.tok) if rl.sft_mix_coef > 0 else None
     self.metrics = MetricsLog(out_dir, self.start)
     self.rollout_file = open(os.path.join(out_dir, "rollouts.jsonl"), "a")  # noqa: SIM115
 
   # ------------------------------------------------------------------------------------------------
 
-  def _batch(self, rollouts, stats) -> tuple[dict, dict]:
+  def _batch(self, rollouts, stats, step: int = 0) -> tuple[dict, dict]:
     cfg, rl = self.cfg, self.cfg.rl
     m = cfg.model
     rows, where = L.segment_rows(rollouts, stats["advantages"])
@@ -167,6 +168,14 @@ class RLRun:
         teacher = jax.device_get(self.teacher_fn(params, rest, tb["tokens"], tb["segment_ids"],
                                                  tb["positions"], tb["experts"]))
       L.attach_teacher(batch, jobs, teacher, rl.feedback_topk, place)
+    if self.sft_chats is not None:  # PPO-ptx rows, after the teacher rows (they index RL rows);
+      # the same chats at a given step on every resume
+      rng = np.random.default_rng([rl.seed, 7, step])
+      picked = [self.sft_chats[i] for i in rng.choice(len(self.sft_chats), rl.sft_mix_rows)]
+      sft = L.sft_rows(picked, L.row_count(rl.sft_mix_rows, quantum), length, m.n_moe_layers,
+                       m.n_experts_per_tok, pad)
+      batch = L.interleave(batch, sft, rl.minibatches)
+      info["rows"] = batch["tokens"].shape[0]
     if rl.minibatches > 1 or rl.epochs > 1:  # later updates are off the sampling weights
       batch["old_logp"] = np.asarray(self.logp_fn(self.tr.state["params"], self.tr.state["rest"], batch))
     if rl.kl_coef > 0:
@@ -222,7 +231,7 @@ class RLRun:
     t1 = time.perf_counter()
     stats = L.score_rollouts(rollouts, cfg, ks=sorted({1, rl.group_size}))
     shown = drawn or stats
-    batch, info = self._batch(rollouts, stats)
+    batch, info = self._batch(rollouts, stats, step)
     n_mb = rl.minibatches
     per = batch["tokens"].shape[0] // n_mb
     learn = {}
@@ -298,6 +307,15 @@ class RLRun:
 RL_PLOTS = ("reward_mean", "pass_rate", "completion_tokens_mean", "loss", "grad_norm",
             "train_infer_logprob_abs_diff", "routing_mismatch_frac", "length_penalty_mean",
             "feedback_kl", "hints", "summaries", "rollout_s", "learn_s")
+
+
+def _load_sft_chats(path: str, tok) -> list[dict]:
+  """rl.sft_mix_path's chats as token ids and assistant masks (``data.sft.encode_chat``)."""
+  from composer_jax.data.sft import encode_chat, read_trajectories
+  if not os.path.isfile(path):
+    raise ConfigError(f"rl.sft_mix_path={path!r} is not a file: rl.sft_mix_coef > 0 needs the SFT "
+                      "trajectories (JSONL of chats)")
+  return [encode_chat(msgs, tok) for msgs in read_trajectories(path)]
 
 
 def _make_logp_fn(graphdef, cfg: Config):

@@ -119,6 +119,46 @@ def test_packed_learner_rows_give_the_one_row_each_loss_and_gradient(world, vari
   jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4 * scale), g1, g2)
 
 
+def test_sft_mix_adds_its_coefficient_times_the_chats_cross_entropy(world):
+  """PPO-ptx: with SFT rows in the batch, the RL loss grows by exactly rl.sft_mix_coef times the mean
+  cross-entropy of the chats' assistant tokens (computed here from the logits by log_softmax), and
+  the policy-gradient part is unchanged by the extra rows."""
+  from flax import nnx
+
+  from composer_jax.data.sft import encode_chat
+  from composer_jax.data.tokenizer import load_tokenizer
+  from composer_jax.rl.loop import load_policy
+  _, init, tasks = world
+  _, tok, graphdef, params, rest = load_policy(init)
+  tok = load_tokenizer(os.path.join(init, "tokenizer.json"))
+  cfg = _rl_cfg(world, "rl.max_new_tokens=24")
+  batch = _sampled_batch(cfg, graphdef, params, rest, tok, tasks)
+  chats = [encode_chat([{"role": "user", "content": "Fix the bug in util.py."},
+                        {"role": "assistant", "content": "I will look at util.py first."}], tok),
+           encode_chat([{"role": "user", "content": "Run the tests."},
+                        {"role": "assistant", "content": "python run_tests.py"}], tok)]
+  m = cfg.model
+  length = batch["tokens"].shape[1]
+  mixed = L.interleave(batch, L.sft_rows(chats, 2, length, m.n_moe_layers, m.n_experts_per_tok,
+                                         tok.pad_id), 1)
+  model = nnx.merge(graphdef, params, rest)
+  run = lambda c, b: L.make_rl_loss(c)(model, {k: jnp.asarray(v) for k, v in b.items()}, c)
+  base, base_m, _ = run(cfg, batch)
+  coef = 0.3
+  loss, met, out = run(_rl_cfg(world, "rl.max_new_tokens=24", f"rl.sft_mix_coef={coef}",
+                               "rl.sft_mix_path=x.jsonl"), mixed)
+  logits = np.asarray(out.logits, np.float64)[2:]  # the SFT rows
+  lp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+  toks, sm = mixed["tokens"][2:], mixed["sft_mask"][2:]
+  nll = -np.take_along_axis(lp[:, :-1], toks[:, 1:, None], -1)[..., 0]  # row t predicts token t+1
+  ce = float((nll * sm[:, 1:]).sum() / sm.sum())
+  assert float(met["sft_mix_ce"]) == pytest.approx(ce, rel=1e-5)
+  assert float(loss) == pytest.approx(float(base) + coef * ce, rel=1e-5)
+  assert float(met["pg_loss"]) == pytest.approx(float(base_m["pg_loss"]), abs=1e-6)
+  assert sm.sum() > 0 and sm[:, 0].sum() == 0
+
+
 def test_router_replay_closes_the_train_infer_gap(world):
   """Same weights, float32: with replay the trainer's log-probs match the sampler's within 1e-5. With
   the router nudged (what one update does), live routing departs from the recorded one; replay keeps

@@ -80,3 +80,27 @@ def test_teacher_rows_land_on_the_packed_student_positions():
     for i, n in enumerate(lengths):
       row, at = place[i]
       np.testing.assert_array_equal(packed[key][row, at:at + n], flat[key][i, :n])
+
+
+def test_sft_rows_interleave_with_the_rl_rows_one_share_per_minibatch():
+  """PPO-ptx: 4 RL rows and 2 SFT rows in 2 minibatches -> [rl0, rl1, sft0, rl2, rl3, sft1]; the SFT
+  rows carry no policy-gradient token and their assistant mask; keys only the RL rows have (the
+  feedback teacher's) are zero on the SFT rows."""
+  rows = _rows([9, 8, 7, 6])
+  rl = L.pack_rows(rows, 4, 12, 2, 2, 0)
+  rl["fb_mask"] = np.ones((4, 12), np.float32)
+  chats = [{"tokens": np.arange(1, 15, dtype=np.int32), "loss_mask": np.array([0] * 5 + [1] * 9)},
+           {"tokens": np.arange(1, 6, dtype=np.int32), "loss_mask": np.array([0, 0, 1, 1, 0])}]
+  sft = L.sft_rows(chats, 2, 12, 2, 2, 0)
+  assert (sft["loss_mask"] == 0).all() and (sft["experts"] == -1).all()
+  np.testing.assert_array_equal(sft["sft_mask"][0], [0] * 5 + [1] * 7)  # cut to the row length
+  np.testing.assert_array_equal(sft["sft_mask"][1], [0, 0, 1, 1, 0] + [0] * 7)
+  b = L.interleave(rl, sft, 2)
+  assert b["tokens"].shape == (6, 12) and b["advantages"].shape == (6,)
+  np.testing.assert_array_equal(b["tokens"][[0, 1, 3, 4]], rl["tokens"])
+  np.testing.assert_array_equal(b["tokens"][[2, 5]], sft["tokens"])
+  assert b["sft_mask"][[0, 1, 3, 4]].sum() == 0 and b["sft_mask"][[2, 5]].sum() == 9
+  assert b["fb_mask"][[2, 5]].sum() == 0 and b["fb_mask"][[0, 1, 3, 4]].all()
+  assert (b["advantages"][[2, 5]] == 0).all()
+  with pytest.raises(ValueError, match="minibatches"):
+    L.interleave(rl, sft, 4)
