@@ -62,6 +62,7 @@ def main() -> None:
     with open(path) as f:
       evals[name] = json.load(f)
   sft = evals["sft"]["per_task"]
+  sft_fam = by_family(tasks, sft)
   res = {}
   for name, s in evals.items():
     rec = {"policy": policies[name], "pass@1": s["pass@1"],
@@ -69,9 +70,8 @@ def main() -> None:
            "by_family": by_family(tasks, s["per_task"])}
     if name != "sft":
       rec["minus_sft"] = paired_difference(sft, s["per_task"])
-      rec["minus_sft_by_family"] = {
-          fam: round(rec["by_family"][fam]["pass@1"] - evals_fam["pass@1"], 4)
-          for fam, evals_fam in by_family(tasks, sft).items()}
+      rec["minus_sft_by_family"] = {fam: round(rec["by_family"][fam]["pass@1"] - f["pass@1"], 4)
+                                    for fam, f in sft_fam.items()}
     res[name] = rec
     extra = (f"  RL - SFT {rec['minus_sft']['mean']:+.3f} paired 95% CI [{rec['minus_sft']['ci95'][0]:+.3f}, "
              f"{rec['minus_sft']['ci95'][1]:+.3f}]") if name != "sft" else ""
