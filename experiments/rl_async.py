@@ -84,7 +84,9 @@ def main(argv=None) -> int:
   if a.run:
     base = load_config(os.path.join(a.run, "config.yaml"))
     init = os.path.join(a.run, "sft")
-    over = [f"rl.tasks={os.path.join(a.run, 'tasks', 'rl')}", *base.run.rl_overrides,
+    # As the main job builds its RL stage: its defaults (the SFT chats for rl.sft_mix_coef) first.
+    over = [f"rl.tasks={os.path.join(a.run, 'tasks', 'rl')}",
+            f"rl.sft_mix_path={os.path.join(a.run, 'sft', 'trajectories.jsonl')}", *base.run.rl_overrides,
             "rl.dynamic_sampling=false", "rl.curriculum=none", f"rl.steps={a.steps + 1}",
             "checkpoint.every=0", "train.progress=false"]
     make = lambda extra: stage_config(base, over + extra)
