@@ -1,9 +1,12 @@
 """A scripted expert that solves synthetic tasks through the real tools, for SFT trajectories.
 
 For each file the reference solution changes (in the task's ``source["edit_order"]``), the expert
-views it, then replaces each changed block with one ``str_replace`` call (the old text is the block
-as the file shows it, widened by neighbouring lines until it occurs once); then it runs the tests
-with the terminal tool and submits. Every turn is tool calls only, in the same order for every
+views it, then makes each changed block with one call: lines added between existing ones with
+``insert`` (after the line the view numbered), any other change with ``str_replace`` (the old text is
+the block as the file shows it, widened by neighbouring lines until it occurs once); then it runs the
+tests with the terminal tool and submits. ``insert`` copies nothing from the file: a
+``str_replace`` that adds a line must copy a neighbour into both <old> and <new>, and those copies
+were where the tiny SFT policy failed the two-file tasks (docs/rl.md, "Inserts, not replaces"). Every turn is tool calls only, in the same order for every
 task, so a small model can imitate it. ``expert_trajectories`` runs it through ``run_episode``
 (prompts, observations and grading are exactly the environment's) and keeps what grades 1.0.
 
@@ -29,32 +32,40 @@ from composer_jax.env.tasks import Task, read_text
 TEST_COMMAND = f"python {RUNNER_PATH}"
 
 
-def replacements(before: str, after: str) -> list[tuple[str, str]]:
-  """(old, new) text pairs that turn ``before`` into ``after``, each ``old`` unique in ``before``.
+def edit_calls(before: str, after: str) -> list[tuple[str, dict]]:
+  """The ``(tool, args)`` calls, less ``path``, that turn ``before`` into ``after`` in order.
 
-  Blocks are whole lines without the final newline; an insertion is anchored on the line above
-  (or below, at the top of the file).
+  A block of lines added between existing ones is ``insert`` after the line that precedes it once
+  the earlier calls are made (so its number is the block's start in ``after``); every other changed
+  block is a ``str_replace`` of whole lines (``_replacement``).
   """
   a, b = before.splitlines(), after.splitlines()
   out = []
   ops = difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes()
   for tag, i1, i2, j1, j2 in ops:
-    if tag == "equal":
-      continue
-    lo, hi, new_lo, new_hi = i1, i2, j1, j2
-    if lo == hi:  # pure insertion: take the neighbour along
-      if lo > 0:
-        lo, new_lo = lo - 1, new_lo - 1
-      else:
-        hi, new_hi = hi + 1, new_hi + 1
-    # Widen until the old block occurs once in the file (it must, for str_replace).
-    while before.count("\n".join(a[lo:hi])) != 1 and (lo > 0 or hi < len(a)):
-      if lo > 0:
-        lo, new_lo = lo - 1, new_lo - 1
-      else:
-        hi, new_hi = hi + 1, new_hi + 1
-    out.append(("\n".join(a[lo:hi]), "\n".join(b[new_lo:new_hi])))
+    if tag == "insert":
+      out.append(("insert", {"line": j1, "text": "\n".join(b[j1:j2])}))
+    elif tag != "equal":
+      old, new = _replacement(before, a, b, i1, i2, j1, j2)
+      out.append(("str_replace", {"old": old, "new": new}))
   return out
+
+
+def _replacement(before: str, a: list, b: list, lo: int, hi: int, new_lo: int, new_hi: int):
+  """(old, new) whole-line texts for lines a[lo:hi] -> b[new_lo:new_hi], ``old`` unique in ``before``;
+  an empty block (``lo == hi``) is anchored on the line above, or below at the top of the file."""
+  if lo == hi:  # pure insertion: take the neighbour along
+    if lo > 0:
+      lo, new_lo = lo - 1, new_lo - 1
+    else:
+      hi, new_hi = hi + 1, new_hi + 1
+  # Widen until the old block occurs once in the file (it must, for str_replace).
+  while before.count("\n".join(a[lo:hi])) != 1 and (lo > 0 or hi < len(a)):
+    if lo > 0:
+      lo, new_lo = lo - 1, new_lo - 1
+    else:
+      hi, new_hi = hi + 1, new_hi + 1
+  return "\n".join(a[lo:hi]), "\n".join(b[new_lo:new_hi])
 
 
 _OPERATORS = ("+", "-", "*", "//", "%")
@@ -95,22 +106,22 @@ class ExpertPolicy:
     for rel in order:
       before = read_text(os.path.join(task.workspace_dir, rel))
       after = read_text(os.path.join(task.gold_dir, rel))
-      plans.append((rel, replacements(before, after)))
+      plans.append((rel, edit_calls(before, after)))
     self.flawed = False
     if self.flaw_rng is not None:
       sites = [(i, j) for i, (_, edits) in enumerate(plans) for j in range(len(edits))]
       self.flaw_rng.shuffle(sites)
       for i, j in sites:
-        old, new = plans[i][1][j]
-        bad = flaw(old, new, self.flaw_rng)
+        tool, args = plans[i][1][j]
+        key = "text" if tool == "insert" else "new"
+        bad = flaw(args.get("old", ""), args[key], self.flaw_rng)
         if bad is not None:
-          plans[i][1][j] = (old, bad)
+          plans[i][1][j] = (tool, {**args, key: bad})
           self.flawed = True
           break
     for rel, edits in plans:
       turns.append(format_call("view", {"path": rel}))
-      turns.append("\n".join(format_call("str_replace", {"path": rel, "old": old, "new": new})
-                             for old, new in edits))
+      turns.append("\n".join(format_call(tool, {"path": rel, **args}) for tool, args in edits))
     if self.run_tests:
       turns.append(format_call("terminal", {"command": TEST_COMMAND}))
     turns.append(format_call("submit", {}))

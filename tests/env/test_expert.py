@@ -21,8 +21,8 @@ from composer_jax.env.episode import (
 from composer_jax.env.expert import (
   ExpertPolicy,
   expert_trajectories,
+  edit_calls,
   flaw,
-  replacements,
 )
 from composer_jax.env.protocol import parse
 from composer_jax.env.synthetic import TEMPLATES
@@ -31,18 +31,44 @@ from composer_jax.env.tools import SPECS
 LEVELS = [(name, d) for name, t in TEMPLATES.items() for d in t.levels]
 
 
-def test_replacements_are_exact_and_unique():
+def _apply(text: str, calls: list) -> str:
+  """The tools' semantics, by hand: str_replace of a unique block, insert after a line."""
+  for tool, args in calls:
+    if tool == "insert":
+      lines = text.splitlines(keepends=True)
+      text = "".join(lines[:args["line"]] + [args["text"] + "\n"] + lines[args["line"]:])
+    else:
+      assert text.count(args["old"]) == 1
+      text = text.replace(args["old"], args["new"])
+  return text
+
+
+def test_edit_calls_insert_added_lines_and_replace_changed_ones_exactly():
   before = "a = 1\nb = 2\n\ndef f(x):\n    return x\n\ndef g(x):\n    return x\n"
   after = "a = 1\nb = 2\nc = 3\n\ndef f(x):\n    return x + 1\n\ndef g(x):\n    return x\n"
-  reps = replacements(before, after)
-  # The insertion is anchored on the line above; the repeated `return x` is widened to be unique.
-  assert reps == [("b = 2", "b = 2\nc = 3"), ("def f(x):\n    return x", "def f(x):\n    return x + 1")]
-  text = before
-  for old, new in reps:
-    assert text.count(old) == 1
-    text = text.replace(old, new)
-  assert text == after
-  assert replacements("x = 1\n", "y = 0\nx = 1\n") == [("x = 1", "y = 0\nx = 1")]
+  calls = edit_calls(before, after)
+  # The added line is an insert after line 2 (nothing copied); the repeated `return x` is widened
+  # to be unique.
+  assert calls == [("insert", {"line": 2, "text": "c = 3"}),
+                   ("str_replace", {"old": "def f(x):\n    return x", "new": "def f(x):\n    return x + 1"})]
+  assert _apply(before, calls) == after
+  # Two inserts: the second's line number counts the first one's lines (calls run in order).
+  before, after = "a\nb\nc\n", "top\na\nb\nx\ny\nc\n"
+  calls = edit_calls(before, after)
+  assert calls == [("insert", {"line": 0, "text": "top"}), ("insert", {"line": 3, "text": "x\ny"})]
+  assert _apply(before, calls) == after
+  # A line changed and a line added in one block is one replace, anchored on no neighbour.
+  assert edit_calls("x = 1\n", "y = 0\nx = 2\n") == [("str_replace", {"old": "x = 1", "new": "y = 0\nx = 2"})]
+
+
+def test_two_file_expert_inserts_the_constant_and_the_import(level_tasks):
+  task = level_tasks[("two_file", 1)]
+  traj = run_episode(task, ExpertPolicy(), max_turns=12)
+  assert traj.reward == 1.0
+  edits = [c for c in traj.calls if c["name"] in ("insert", "str_replace")]
+  # consts file: the constant after its 3 lines; module: the import after line 1; body: a replace.
+  assert [(c["name"], c["args"].get("line")) for c in edits] == [("insert", 3), ("insert", 1),
+                                                                    ("str_replace", None)]
 
 
 def test_flaw_changes_one_site_and_never_back_to_the_old_text():

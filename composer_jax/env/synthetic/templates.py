@@ -485,7 +485,7 @@ def two_file(rng: random.Random, d: int) -> Instance:
   before = {cmod: consts_b, mod: module(osrc, function_src(fn, [arg], doc, TODO),
                                         header=f"from {cmod} import {base}")}
   after = {cmod: consts_a, mod: module(osrc, function_src(fn, [arg], doc, body),
-                                       header=f"from {cmod} import {base}, {new}")}
+                                       header=f"from {cmod} import {base}\nfrom {cmod} import {new}")}
   vis = flat(differing(before, after, call_steps(fn, [arg]), rng, 2))
   ost = flat(call_steps(oname, oargs)(rng) for _ in range(2))
   cst = [("check", f"{cmod}.{new}")]
