@@ -20,8 +20,8 @@ from composer_jax.env.episode import (
 )
 from composer_jax.env.expert import (
   ExpertPolicy,
-  expert_trajectories,
   edit_calls,
+  expert_trajectories,
   flaw,
 )
 from composer_jax.env.protocol import parse
