@@ -127,6 +127,9 @@ class DataConfig:
   # Share of SFT chats that are generated edit drills (data/drills.py: copy a file name, a viewed
   # line and a requested line into calls); the rest are data.sft_path's. 0 = none.
   sft_copy_share: float = 0.0
+  # Share of SFT chats that are spec drills (data/drills.py: the expert's edits for fresh training-split
+  # synthetic instances at difficulty 2-3, no test run). 0 = none.
+  sft_spec_share: float = 0.0
   num_workers: int = 0
   seed: int = 0
 

@@ -22,6 +22,7 @@ SFT; they draw from the first source's training split only.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import tempfile
@@ -75,13 +76,49 @@ def edit_drills(texts: list[str], n: int, seed: int = 0, system: str | None = No
         continue
       path = f"{rng.choice(names)}.py"
       tools.execute(ToolCall("create", {"path": path, "content": text}))
-      msgs = [{"role": "system", "content": system}] if system else []
-      msgs.append({"role": "user", "content": f"Line {k + 1} of `{path}` should read `{new}`. Edit it."})
-      for name, args in (("view", {"path": path}), ("str_replace", {"path": path, "old": old, "new": new}),
-                         ("submit", {})):
-        obs = tools.execute(ToolCall(name, args))
-        msgs.append({"role": "assistant", "content": format_call(name, args)})
-        msgs.append({"role": "tool", "content": format_observation(name, obs.text, obs.ok)})
+      out.append(_chat(tools, system, f"Line {k + 1} of `{path}` should read `{new}`. Edit it.",
+                       [[("view", {"path": path})],
+                        [("str_replace", {"path": path, "old": old, "new": new})], [("submit", {})]]))
       tools.submitted = False
-      out.append(msgs)
+  return out
+
+
+def _chat(tools: ToolBox, system: str | None, prompt: str, turns: list[list[tuple[str, dict]]]) -> list[dict]:
+  """The chat of an episode whose assistant turns make ``turns``' calls, observed by ``tools``."""
+  msgs = [{"role": "system", "content": system}] if system else []
+  msgs.append({"role": "user", "content": prompt})
+  for calls in turns:
+    obs = [tools.execute(ToolCall(name, args)) for name, args in calls]
+    msgs.append({"role": "assistant", "content": "\n".join(format_call(n, a) for n, a in calls)})
+    msgs.append({"role": "tool", "content": "\n".join(format_observation(n, o.text, o.ok)
+                                                      for (n, _), o in zip(calls, obs))})
+  return msgs
+
+
+def spec_drills(n: int, seed: int = 0, system: str | None = None, levels: tuple = (2, 3)) -> list[list[dict]]:
+  """``n`` chats that solve synthetic training-template instances at ``levels``: specs in words,
+  a distractor beside the target, small logic, a bug to find (``env/synthetic/templates.py``).
+
+  The expert trajectories hold about 17 instances of each such family, too few for a small model to
+  learn that "p times 3, plus v" is ``p * 3 + v`` rather than a copy of the neighbouring function
+  (docs/rl.md, "Spec drills"). A drill is the expert's plan for a fresh instance (view, then
+  ``env.expert.edit_calls`` per file, then submit) with the real tools' observations; it runs no
+  command, so it skips the test run. Instances come from the training split only (the held-out
+  split, by content hash, never), drawn under a seed of their own.
+  """
+  from composer_jax.env.expert import edit_calls
+  from composer_jax.env.synthetic import instances
+  out = []
+  with tempfile.TemporaryDirectory(prefix="cj-spec-") as root:
+    for i, inst in enumerate(instances(n, seed=7_000_003 + seed, split="train", levels=list(levels))):
+      ws = os.path.join(root, str(i))
+      os.makedirs(ws)
+      tools = ToolBox(Sandbox(ws))
+      for rel, text in inst.files.items():
+        tools.execute(ToolCall("create", {"path": rel, "content": text}))
+      turns = []
+      for rel in inst.edit_order:
+        edits = edit_calls(inst.files[rel], inst.gold[rel])
+        turns += [[("view", {"path": rel})], [(tool, {"path": rel, **args}) for tool, args in edits]]
+      out.append(_chat(tools, system, inst.prompt, turns + [[("submit", {})]]))
   return out

@@ -46,13 +46,17 @@ def encode_chat(messages: list[dict], tokenizer) -> dict:
   return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.int32)}
 
 
-def with_drills(trajs: list[list[dict]], share: float, texts: list[str], seed: int = 0) -> list[list[dict]]:
-  """``trajs`` plus edit drills (``data/drills.py``) from ``texts`` so that drills are ``share`` of
-  the chats; they take the trajectories' system message, so both open alike."""
-  n = round(len(trajs) * share / (1.0 - share))
-  if n == 0:
+def with_drills(trajs: list[list[dict]], share: float, texts: list[str], seed: int = 0,
+                spec_share: float = 0.0) -> list[list[dict]]:
+  """``trajs`` plus generated drills (``data/drills.py``): edit drills from ``texts`` as ``share`` of
+  the chats and spec drills as ``spec_share``; they take the trajectories' system message, so all
+  open alike."""
+  rest = 1.0 - share - spec_share
+  n, n_spec = round(len(trajs) * share / rest), round(len(trajs) * spec_share / rest)
+  if n + n_spec == 0:
     return trajs
-  from composer_jax.data.drills import edit_drills
+  from composer_jax.data.drills import edit_drills, spec_drills
   first = trajs[0][0]
   system = first.get("content") if first.get("role") == "system" else None
-  return trajs + edit_drills(texts, n, seed, system)
+  return (trajs + (edit_drills(texts, n, seed, system) if n else [])
+          + (spec_drills(n_spec, seed, system) if n_spec else []))

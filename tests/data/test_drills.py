@@ -1,5 +1,6 @@
 """Edit drills: every argument of their calls is a copy of the chat's own text, and the real tools
-accept the calls; they come only from the texts they are given."""
+accept the calls; they come only from the texts they are given. Spec drills: the expert's calls on
+fresh training-split instances, which replayed give the reference solution."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 import pytest
 
 from composer_jax.data import chat, sources
-from composer_jax.data.drills import edit_drills
+from composer_jax.data.drills import edit_drills, spec_drills
 from composer_jax.data.sft import with_drills
 from composer_jax.env.episode import system_prompt
 from composer_jax.env.protocol import parse_observations
@@ -70,3 +71,36 @@ def test_share_sets_the_fraction_of_drills_and_takes_the_system_message(texts, d
   assert len(mixed) == 40 and mixed[:30] == trajs
   assert all(m[0] == drills[0][0] for m in mixed[30:])
   assert with_drills(trajs, 0.0, texts) is trajs
+
+
+def test_spec_drills_solve_fresh_training_instances_with_the_experts_calls(tmp_path):
+  from composer_jax.env.sandbox import Sandbox
+  from composer_jax.env.synthetic import instance_split, instances
+  from composer_jax.env.tools import ToolBox, ToolCall
+  system = system_prompt("signatures")
+  drills = spec_drills(12, seed=1, system=system)
+  insts = instances(12, seed=7_000_004, split="train", levels=[2, 3])  # the drills' own draw
+  assert spec_drills(12, seed=1, system=system) == drills and spec_drills(12, seed=2)[0] != drills[0]
+  for i, (msgs, inst) in enumerate(zip(drills, insts)):
+    assert inst.difficulty in (2, 3) and instance_split(inst) == "train"
+    assert msgs[0] == {"role": "system", "content": system} and msgs[1]["content"] == inst.prompt
+    calls = [c for m in msgs[2::2] for c in chat.parse_tool_calls(m["content"])[1]]
+    assert [c["name"] for c in calls][-1] == "submit"
+    assert all('status="ok"' in m["content"] for m in msgs[3::2])
+    # Replaying the calls on the instance's files gives its reference solution.
+    ws = tmp_path / str(i)
+    ws.mkdir()
+    tools = ToolBox(Sandbox(str(ws)))
+    for rel, text in inst.files.items():
+      (ws / rel).write_text(text)
+    for c in calls[:-1]:
+      assert tools.execute(ToolCall(c["name"], c["arguments"])).ok
+    assert {rel: (ws / rel).read_text() for rel in inst.gold} == inst.gold
+
+
+def test_with_drills_mixes_both_kinds_at_their_shares(texts, drills):
+  trajs = [drills[0]] * 30
+  mixed = with_drills(trajs, 0.25, texts, spec_share=0.25)
+  assert len(mixed) == 60 and mixed[:30] == trajs
+  assert sum(m[1]["content"].startswith("Line ") for m in mixed[30:]) == 15
+  assert all(m[0] == drills[0][0] for m in mixed[30:])
