@@ -8,7 +8,7 @@ difference from SFT with a paired bootstrap interval (`recipe.paired_difference`
 family. An evaluation already written under OUT is reused, so more RL policies can be added later.
 
     python -m experiments.rl_heldout_paired --run RUN_DIR [--rl NAME=RL_RUN_DIR ...] [--tasks 300]
-        [--out DIR]
+        [--out DIR] [--result NAME]
 
 RUN_DIR is a `composer-jax run` directory; its own `rl/` is the RL policy named "rl" unless --rl
 names others (e.g. RL-only re-runs from the same SFT policy).
@@ -48,6 +48,7 @@ def main() -> None:
   ap.add_argument("--tasks", type=int, default=300)
   ap.add_argument("--seed", type=int, default=1234)
   ap.add_argument("--out", default="/tmp/rl_heldout_paired")
+  ap.add_argument("--result", default="rl_heldout_paired", help="results/NAME.json to write")
   args = ap.parse_args()
   cfg = load_config(os.path.join(args.run, "config.yaml"))
   tasks = fresh_tasks(args.run, args.tasks, args.seed, os.path.join(args.out, "tasks"))
@@ -76,7 +77,7 @@ def main() -> None:
     extra = (f"  RL - SFT {rec['minus_sft']['mean']:+.3f} paired 95% CI [{rec['minus_sft']['ci95'][0]:+.3f}, "
              f"{rec['minus_sft']['ci95'][1]:+.3f}]") if name != "sft" else ""
     print(f"{name:10s} pass@1 {rec['pass@1']:.3f} [{rec['ci95'][0]:.3f}, {rec['ci95'][1]:.3f}]{extra}")
-  write_result("rl_heldout_paired", {"run": os.path.abspath(args.run), "tasks": len(tasks),
+  write_result(args.result, {"run": os.path.abspath(args.run), "tasks": len(tasks),
                                      "samples": cfg.run.eval_samples, "task_seed": args.seed,
                                      "policies": res})
 

@@ -13,7 +13,8 @@ from composer_jax.recipe import bootstrap_ci, paired_difference
 
 SMALL = ["train.steps=2", "train.eval_every=0", "data.tokenizer_train_mb=1", "data.max_files=200",
          "run.train_tasks=4", "run.rl_tasks=3", "run.heldout_tasks=2", "run.unseen_tasks=2", "run.eval_samples=2",
-         "run.sft_overrides=[data.seq_len=1280,data.batch_size=2,train.steps=2]",
+         ("run.sft_overrides=[data.seq_len=1280,data.batch_size=2,train.steps=2,"
+          "data.sft_copy_share=0.25,data.sft_spec_share=0.35]"),
          # the RL switches of configs/tiny.yaml (dynamic sampling, family curriculum, two PPO
          # passes), at a size that runs in seconds
          ("run.rl_overrides=[rl.steps=1,rl.tasks_per_step=2,rl.group_size=2,rl.max_new_tokens=16,"
