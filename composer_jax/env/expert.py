@@ -6,9 +6,10 @@ views it, then makes each changed block with one call: lines added between exist
 the block as the file shows it, widened by neighbouring lines until it occurs once); then it runs the
 tests with the terminal tool and submits. ``insert`` copies nothing from the file: a
 ``str_replace`` that adds a line must copy a neighbour into both <old> and <new>, and those copies
-were where the tiny SFT policy failed the two-file tasks (docs/rl.md, "Inserts, not replaces"). Every turn is tool calls only, in the same order for every
-task, so a small model can imitate it. ``expert_trajectories`` runs it through ``run_episode``
-(prompts, observations and grading are exactly the environment's) and keeps what grades 1.0.
+were where the tiny SFT policy failed the two-file tasks (docs/rl.md, "Inserts, not replaces").
+Every turn is tool calls only, in the same order for every task, so a small model can imitate it.
+``expert_trajectories`` runs it through ``run_episode`` (prompts, observations and grading are
+exactly the environment's) and keeps what grades 1.0.
 
 ``flawed=N`` also writes N *flawed* runs per task: the same plan with one operator or constant of
 one edit changed (``flaw``), graded by the same grader and kept only when it fails. SFT on a mix of
@@ -52,13 +53,8 @@ def edit_calls(before: str, after: str) -> list[tuple[str, dict]]:
 
 
 def _replacement(before: str, a: list, b: list, lo: int, hi: int, new_lo: int, new_hi: int):
-  """(old, new) whole-line texts for lines a[lo:hi] -> b[new_lo:new_hi], ``old`` unique in ``before``;
-  an empty block (``lo == hi``) is anchored on the line above, or below at the top of the file."""
-  if lo == hi:  # pure insertion: take the neighbour along
-    if lo > 0:
-      lo, new_lo = lo - 1, new_lo - 1
-    else:
-      hi, new_hi = hi + 1, new_hi + 1
+  """(old, new) whole-line texts for lines a[lo:hi] -> b[new_lo:new_hi] (lo < hi), widened by
+  neighbouring lines until ``old`` occurs once in ``before``."""
   # Widen until the old block occurs once in the file (it must, for str_replace).
   while before.count("\n".join(a[lo:hi])) != 1 and (lo > 0 or hi < len(a)):
     if lo > 0:
