@@ -165,18 +165,18 @@ class Recipe:
 
   def _rl(self) -> dict:
     from composer_jax.rl.loop import run_rl
-    r = self.cfg.run
-    cfg = stage_config(self.cfg, [f"rl.tasks={self._rl_tasks_dir()}", *self.rl_defaults()]
-                       + list(r.rl_overrides))
+    cfg = self.rl_config()
     d = self.path("rl")
     resume = os.path.isdir(os.path.join(d, "checkpoints")) and bool(os.listdir(os.path.join(d, "checkpoints")))
     last = run_rl(cfg, d, init=None if resume else self.path("sft"), resume=resume, log=self.log)
     return {"final": {k: v for k, v in last.items() if isinstance(v, (int, float))}}
 
-  def rl_defaults(self) -> list[str]:
-    """What the RL stage takes from this run unless its overrides say otherwise: the SFT
-    trajectories for rl.sft_mix_coef."""
-    return [f"rl.sft_mix_path={self.path('sft', 'trajectories.jsonl')}"]
+  def rl_config(self, extra=()) -> Config:
+    """The RL stage's config: this run's RL tasks and SFT trajectories (for rl.sft_mix_coef), then
+    run.rl_overrides (which win), then ``extra``."""
+    return stage_config(self.cfg, [f"rl.tasks={self._rl_tasks_dir()}",
+                                   f"rl.sft_mix_path={self.path('sft', 'trajectories.jsonl')}",
+                                   *self.cfg.run.rl_overrides, *extra])
 
   # -- the job --------------------------------------------------------------------------------------
 

@@ -77,19 +77,17 @@ def main(argv=None) -> int:
   ap.add_argument("--run", default="", help="time the RL stage of this `composer-jax run` directory")
   a = ap.parse_args(argv)
   from composer_jax.config import load_config
-  from composer_jax.recipe import stage_config
+  from composer_jax.recipe import Recipe
   from composer_jax.rl.async_loop import AsyncRLRun
   from composer_jax.rl.loop import RLRun
   root = tempfile.mkdtemp(prefix="rl_async_")
   if a.run:
     base = load_config(os.path.join(a.run, "config.yaml"))
     init = os.path.join(a.run, "sft")
-    # As the main job builds its RL stage: its defaults (the SFT chats for rl.sft_mix_coef) first.
-    over = [f"rl.tasks={os.path.join(a.run, 'tasks', 'rl')}",
-            f"rl.sft_mix_path={os.path.join(a.run, 'sft', 'trajectories.jsonl')}", *base.run.rl_overrides,
-            "rl.dynamic_sampling=false", "rl.curriculum=none", f"rl.steps={a.steps + 1}",
+    over = ["rl.dynamic_sampling=false", "rl.curriculum=none", f"rl.steps={a.steps + 1}",
             "checkpoint.every=0", "train.progress=false"]
-    make = lambda extra: stage_config(base, over + extra)
+    recipe = Recipe(base, a.run, resume=True, log=lambda m: None)
+    make = lambda extra: recipe.rl_config(over + extra)  # as the main job builds its RL stage
   else:
     init, tasks = _world(root)
     over = MODEL + RL + [f"rl.tasks={tasks}", f"rl.tasks_per_step={a.tasks_per_step}",
