@@ -3,9 +3,13 @@ grader, per-test results from the light runner, and the runner's resistance to t
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
+import re
 import shutil
+import sys
+import types
 
 import pytest
 
@@ -187,3 +191,110 @@ def test_runner_prints_failures_for_the_agent(level_tasks, tmp_path):
   ws = _copy(task, tmp_path)
   out = Sandbox(ws, Limits(timeout_s=10)).run("python run_tests.py").output
   assert "FAILED test_" in out and "assert " in out and "0 passed, 1 failed" in out
+
+
+# One-site slips, enumerated here independently of templates.near_misses: an arithmetic operator or
+# a comparison swapped for another of its kind, or an integer constant moved by one.
+_SLIP = re.compile(r" (\+|-|\*|//|%|<=|>=|<|>|==) |\b(\d+)\b")
+_SWAP = {op: kind for kind in (["+", "-", "*", "//", "%"], ["<", ">", "<=", ">=", "=="]) for op in kind}
+
+
+def _slips(line: str) -> list[str]:
+  out = set()
+  for m in _SLIP.finditer(line):
+    if m.group(1):
+      s, e = m.span(1)
+      out |= {line[:s] + o + line[e:] for o in _SWAP[m.group(1)] if o != m.group(1)}
+    else:
+      s, e = m.span(2)
+      out |= {line[:s] + str(v) + line[e:] for v in (int(m.group(2)) + 1, int(m.group(2)) - 1) if v >= 0}
+  return sorted(out - {line})
+
+
+def _load(sources: dict) -> dict:
+  """Modules from {name: text}, in order, registered so that later ones import earlier ones."""
+  mods = {}
+  for name, text in sources.items():
+    mod = types.ModuleType(name)
+    sys.modules[name] = mod
+    exec(compile(text, f"{name}.py", "exec"), mod.__dict__)  # noqa: S102 - generated code
+    mods[name] = mod
+  return mods
+
+
+def _passes(sources: dict, tests: dict) -> bool:
+  try:
+    _load(sources)
+    for path, text in tests.items():
+      ns: dict = {}
+      exec(compile(text, path, "exec"), ns)  # noqa: S102
+      for k, f in ns.items():
+        if k.startswith("test_") and callable(f):
+          f()
+    return True
+  except Exception:  # noqa: BLE001 - any failure fails the tests
+    return False
+
+
+def _behaviour(sources: dict, target: str, rng: random.Random, n: int = 300) -> list:
+  """What ``target`` (a function, or the one class's method) does on ``n`` inputs of the spec's
+  domain (the values the templates draw: scalars 0-9, lists of them)."""
+  from composer_jax.env.synthetic.templates import LISTS
+  mods = list(_load(sources).values())
+  out = []
+  for _ in range(n):
+    for mod in mods:
+      fn, cls = getattr(mod, target, None), next((v for v in vars(mod).values()
+                                                  if isinstance(v, type) and hasattr(v, target)), None)
+      if cls is not None:
+        obj = cls(rng.randint(1, 9))
+        arg = rng.randint(0, 9)
+        try:
+          out.append((getattr(obj, target)(arg), dict(vars(obj))))
+        except Exception as e:  # noqa: BLE001
+          out.append(type(e).__name__)
+      elif callable(fn) and getattr(fn, "__module__", None) == mod.__name__:
+        args = [[rng.randint(0, 9) for _ in range(rng.randint(0, 6))] if a in LISTS else rng.randint(0, 9)
+                for a in inspect.signature(fn).parameters]
+        try:
+          out.append(fn(*args))
+        except Exception as e:  # noqa: BLE001
+          out.append(type(e).__name__)
+  return out
+
+
+@pytest.mark.parametrize("name", ["implement", "fix_bug", "method", "two_file"])
+def test_hidden_tests_catch_every_slip_that_some_input_shows(name):
+  """A reference with one slip on a line the change adds either fails the tests or behaves as the
+  reference on 300 fresh inputs of the spec's domain (it is equivalent there): RL cannot be paid
+  for `<` where the docstring says "at most"."""
+  saved = dict(sys.modules)
+  caught = equivalent = 0
+  try:
+    for d in TEMPLATES[name].levels:
+      for seed in range(12):
+        inst = TEMPLATES[name].make(random.Random(f"slip/{name}/{d}/{seed}"), d)
+        src = {p[:-3]: t for p, t in {**inst.files, **inst.gold}.items()}
+        tests = {**inst.tests, **inst.hidden}
+        target = inst.fail_to_pass[0].split("::test_")[1]
+        assert _passes(src, tests)
+        ref = _behaviour(src, target, random.Random(seed))
+        for path, text in inst.gold.items():
+          old = set(inst.files.get(path, "").splitlines())
+          lines = text.splitlines(keepends=True)
+          for i, line in enumerate(lines):
+            if line.rstrip("\n") in old or line.lstrip().startswith('"""'):
+              continue
+            for slip in _slips(line):
+              mut = {**src, path[:-3]: "".join(lines[:i] + [slip] + lines[i + 1:])}
+              if not _passes(mut, tests):
+                caught += 1
+                continue
+              equivalent += 1
+              assert _behaviour(mut, target, random.Random(seed)) == ref, \
+                  f"{name} level {d} seed {seed}: the tests pass {slip.strip()!r} for {line.strip()!r}"
+  finally:
+    for k in list(sys.modules):
+      if k not in saved:
+        del sys.modules[k]
+  assert caught > 10 * equivalent >= 0

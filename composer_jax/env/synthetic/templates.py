@@ -5,6 +5,9 @@ operations, writes the module(s) before and after the reference change, and deri
 expected values by running the reference code (our own generated code, in this process). Visible
 tests hold a couple of examples; hidden tests (restored only at grading) hold more cases and check
 exact result types, so hard-coding the visible examples or returning an always-equal object fails.
+The hidden cases also tell the reference apart from each of its near misses (one operator,
+comparison or constant changed on a line the change adds) wherever an input can (``hidden_steps``):
+without that, a third of the level-3 tasks passed with a slip such as ``<`` for ``<=``.
 
 Prompts put file names in backticks: the BPE then splits a name as the tool call writes it
 (`logic.py` -> 'log' 'ic' '.' 'py'; a bare " logic.py" starts with the space-prefixed ' log'), so
@@ -19,7 +22,10 @@ of logic (a filter, a count, a conditional, an off-by-one).
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import random
+import re
 
 # --------------------------------------------------------------------------------------------------
 # Vocabulary (module names avoid the stdlib modules the runner imports: a local file would shadow them)
@@ -248,6 +254,60 @@ def differing(before: dict, after: dict, make_steps, rng: random.Random, n: int,
   return (found + rest)[:n] if len(found) < n else found
 
 
+_SITE = re.compile(r"(?<= )(\+|-|\*|//|%|<=|>=|<|>|==)(?= )|\b\d+\b")
+_KINDS = (("+", "-", "*", "//", "%"), ("<", ">", "<=", ">=", "=="))
+
+
+def near_misses(text: str) -> list[str]:
+  """``text`` with one binary operator swapped for another of its kind (arithmetic or comparison,
+  spaced as the templates write them) or one integer constant moved by one (never below 0)."""
+  out = []
+  for m in _SITE.finditer(text):
+    tok = m.group(0)
+    kind = next((k for k in _KINDS if tok in k), None)
+    subs = [o for o in kind if o != tok] if kind else [str(int(tok) + 1), str(max(int(tok) - 1, 0))]
+    out += [text[:m.start()] + s + text[m.end():] for s in subs]
+  return [t for t in dict.fromkeys(out) if t != text]
+
+
+def mutants(before: dict, after: dict) -> list[dict]:
+  """``after`` with one near miss (``near_misses``) on one line the change adds."""
+  out = []
+  for mod, text in after.items():
+    old = set(before.get(mod, "").splitlines())
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+      if line.rstrip("\n") not in old and not line.lstrip().startswith(('"""', "#")):
+        out += [{**after, mod: "".join(lines[:i] + [v] + lines[i + 1:])} for v in near_misses(line)]
+  return out
+
+
+def hidden_steps(before: dict, after: dict, make_steps, rng: random.Random, n: int,
+                 pool: int = 48) -> list:
+  """The hidden test's steps: ``n`` step lists on which the starting code fails (``differing``),
+  then, for each mutant of the reference (``mutants``) that those do not catch, the first of
+  ``pool`` further step lists that does. A mutant none of them catches behaves as the reference on
+  these inputs. The pool has its own generator, seeded by ``after``, so the instance's other draws
+  (files, visible tests) are what they were without it."""
+  chosen = differing(before, after, make_steps, rng, n)
+  gen = random.Random(json.dumps(after, sort_keys=True))
+  lists = chosen + [make_steps(gen) for _ in range(pool)]
+  ends = [0]
+  for steps in lists:
+    ends.append(ends[-1] + sum(kind == "check" for kind, _ in steps))
+
+  def per_list(sources):
+    out = run_steps(sources, flat(lists))
+    return [out[a:b] for a, b in itertools.pairwise(ends)]
+
+  ref, keep = per_list(after), list(range(len(chosen)))
+  for mut in mutants(before, after):
+    got = per_list(mut)
+    if all(got[i] == ref[i] for i in keep):
+      keep += [i for i in range(len(chosen), len(lists)) if got[i] != ref[i]][:1]
+  return flat(lists[i] for i in keep)
+
+
 def call_steps(fn: str, args: list):
   return lambda rng: [("check", f"{fn}({', '.join(arg_values(rng, args))})")]
 
@@ -287,7 +347,7 @@ def _function_tests(rng, mod, fn, args, before, after, other=None, n_vis=2, n_hi
                     header_extra=()):
   """Visible ``test_MOD.py`` (target test + a passing test of ``other``) and hidden tests."""
   vis = flat(differing(before, after, call_steps(fn, args), rng, n_vis))
-  hid = flat(differing(before, after, call_steps(fn, args), rng, n_hid))
+  hid = hidden_steps(before, after, call_steps(fn, args), rng, n_hid)
   tests = [render_test(f"test_{fn}", vis, run_steps(after, vis), False)]
   p2p = []
   imports = [fn]
@@ -437,7 +497,7 @@ def _class_task(rng, d, template, buggy: bool) -> Instance:
     alt = {mod: _class_src(cls, attr, extra + [function_src(meth, ["self", "n"], doc, always, "    ")])}
     vis = vis[:1] + differing(alt, after, steps, rng, 1)
   vis = flat(vis)
-  hid = flat(differing(before, after, steps, rng, 4))
+  hid = hidden_steps(before, after, steps, rng, 4)
   tests = [render_test(f"test_{meth}", vis, run_steps(after, vis), False)]
   p2p = []
   if other:
@@ -496,7 +556,7 @@ def two_file(rng: random.Random, d: int) -> Instance:
   # Hidden: the function must read the constant (a changed value changes the result).
   val = nval + rng.randint(1, 5)
   patch = [("stmt", f"{cmod}.{new} = {val}"), ("stmt", f"{mod}.{new} = {val}")]
-  hid = flat(differing(before, after, call_steps(fn, [arg]), rng, 3))
+  hid = hidden_steps(before, after, call_steps(fn, [arg]), rng, 3)
   uses = flat(call_steps(f"{mod}.{fn}", [arg])(rng) for _ in range(2))
   used_vals = run_steps(after, patch + uses)
   uses_test = "\n".join([
