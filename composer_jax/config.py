@@ -308,6 +308,9 @@ class RunConfig:
   # SFT tasks the policy recalls memorised solutions, and RL's reward then pays for recall, not for
   # skills that carry to held-out tasks (docs/rl.md). 0: RL reuses the SFT tasks.
   rl_tasks: int = 200
+  # A share of the training tasks that also get a recovery run (env/expert.py): a flawed edit, the
+  # failing tests, the fix. SFT learns to act on a failing test run and not to submit regardless.
+  expert_recover: float = 0.0
   task_seed: int = 1
   # A base model the pretraining stage continues from (an HF folder, a `convert --from-hf` folder
   # or a training run; its tokenizer.json when it has one), as Composer continues from Kimi K2.

@@ -147,6 +147,8 @@ def validate(cfg: Config) -> None:
     _require(all(isinstance(o, str) and "=" in o for o in getattr(u, name)),
              f"run.{name} must be a list of 'section.key=value' strings")
   _require(u.rl_tasks >= 0, f"run.rl_tasks={u.rl_tasks} must be >= 0 (0 = RL on the SFT tasks)")
+  _require(0.0 <= u.expert_recover <= 1.0,
+           f"run.expert_recover={u.expert_recover} must be a share of the training tasks in [0, 1]")
   _require(cfg.eval.workers >= 1, f"eval.workers={cfg.eval.workers} must be >= 1")
   _require(all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in cfg.eval.k),
            f"eval.k={cfg.eval.k} must be a list of positive integers, e.g. [1, 5]")

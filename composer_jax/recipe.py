@@ -139,10 +139,10 @@ class Recipe:
     tok = load_tokenizer(self.path("pretrain", "tokenizer.json"))
     rep = expert_trajectories(load_tasks(self.path("tasks", "train")), self.path("sft", "trajectories.jsonl"),
                               tokenizer=tok, tool_docs=self.cfg.env.tool_docs, mode=self.cfg.env.sandbox,
-                              log=self.log)
+                              recover=self.cfg.run.expert_recover, log=self.log)
     if not rep["kept"]:
       raise RuntimeError("the scripted expert solved no training task: check the sandbox (bubblewrap)")
-    return {"kept": rep["kept"], "tasks": rep["tasks"], **rep["summary"]}
+    return {"kept": rep["kept"], "recovered": rep["recovered"], "tasks": rep["tasks"], **rep["summary"]}
 
   def _eval(self, policy_run: str, tag: str) -> dict:
     from composer_jax.env.tasks import load_tasks

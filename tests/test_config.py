@@ -46,6 +46,7 @@ def test_base_include_and_overrides():
     ("rl.prefill_rows=-1", "rl.prefill_rows"),
     ("rl.dynamic_by=accuracy", "rl.dynamic_by"),
     ("run.rl_tasks=-1", "run.rl_tasks"),
+    ("run.expert_recover=1.5", "run.expert_recover"),
     ("rl.curriculum=hard", "rl.curriculum"),
     ("rl.curriculum_decay=1.0", "rl.curriculum_decay"),
     ("rl.pack_length=-1", "rl.pack_length"),

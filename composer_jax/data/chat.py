@@ -85,7 +85,8 @@ def render_segments(messages: list[dict]) -> list[tuple[str, bool]]:
         raise ChatFormatError(f"message {i}: tool_calls must be a list of {{'name', 'arguments'}}")
     segs.append((f"{_HEADER[role]}{role}{IM_MIDDLE}", False))
     body = assistant_text(msg) if role == "assistant" else content
-    segs.append((body + IM_END, role == "assistant"))
+    # An assistant turn marked "train": false is context only (a recovery run's flawed edit).
+    segs.append((body + IM_END, role == "assistant" and msg.get("train", True) is not False))
   return segs
 
 

@@ -71,6 +71,9 @@ def register(subparsers) -> None:
   exp.add_argument("--flawed", type=int, default=0,
                    help="also write N failing runs per task with one edit made wrong (marked "
                         "\"flawed\": true): SFT data that leaves RL something to fix")
+  exp.add_argument("--recover", type=float, default=0.0,
+                   help="also write, for this share of the tasks, a run that fixes a flawed edit after "
+                        "its failing test run (marked \"recovered\": true; the flawed turn untrained)")
   exp.add_argument("--seed", type=int, default=0, help="draws the flaws")
   _common(exp)
   exp.set_defaults(func=_tasks_expert)
@@ -193,14 +196,17 @@ def _tasks_expert(args) -> int:
     tok = load_tokenizer(args.tokenizer)
   if args.flawed < 0:
     raise ConfigError(f"--flawed {args.flawed}: give a count >= 0 of flawed runs per task")
+  if not 0.0 <= args.recover <= 1.0:
+    raise ConfigError(f"--recover {args.recover}: give a share of the tasks in [0, 1]")
   rep = expert_trajectories(tasks, args.out, tokenizer=tok, run_tests=not args.no_run_tests,
                             tool_docs=env.tool_docs, mode=env.sandbox, flawed=args.flawed,
-                            seed=args.seed, log=lambda m: print(m, file=sys.stderr))
+                            recover=args.recover, seed=args.seed, log=lambda m: print(m, file=sys.stderr))
   stats = args.out + ".stats.json"
   with open(stats, "w") as f:
     json.dump(rep, f, indent=1)
   print(json.dumps({k: v for k, v in rep.items() if k != "trajectories"}, indent=1))
   extra = f" and {rep['flawed']} flawed (failing) ones" if args.flawed else ""
+  extra += f" and {rep['recovered']} recovery runs" if args.recover else ""
   print(f"{rep['kept']}/{rep['tasks']} trajectories graded 1.0{extra} -> {args.out} (per-trajectory "
         f"stats: {stats})")
   return 0 if rep["kept"] else 1

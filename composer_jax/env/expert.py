@@ -15,6 +15,13 @@ exactly the environment's) and keeps what grades 1.0.
 one edit changed (``flaw``), graded by the same grader and kept only when it fails. SFT on a mix of
 sound and flawed demonstrations gives a policy that makes the right edit only some of the time,
 which is what RL is for: the reward tells the two apart and nothing else does (docs/rl.md).
+
+``recover`` (a share of the tasks) also writes *recovery* runs: the flawed plan, the failing test
+run, then the fix of the flawed lines (``edit_calls`` from the flawed file to the reference), the
+tests again and submit. The flawed edit's turn is marked ``"train": false`` (``chat.render_segments``
+leaves it out of the loss), so SFT teaches what to do after a failing test and never the flaw. The
+plain expert passes its tests at once, and a policy trained only on it submitted after a failing
+run every time (docs/rl.md, "Recovery runs").
 """
 
 from __future__ import annotations
@@ -23,11 +30,11 @@ import difflib
 import json
 import os
 import random
-import re
 
 from composer_jax.env.episode import Turn, approx_tokens, run_episode
 from composer_jax.env.protocol import format_call
 from composer_jax.env.synthetic.runner import RUNNER_PATH
+from composer_jax.env.synthetic.templates import near_misses
 from composer_jax.env.tasks import Task, read_text
 
 TEST_COMMAND = f"python {RUNNER_PATH}"
@@ -64,46 +71,59 @@ def _replacement(before: str, a: list, b: list, lo: int, hi: int, new_lo: int, n
   return "\n".join(a[lo:hi]), "\n".join(b[new_lo:new_hi])
 
 
-_OPERATORS = ("+", "-", "*", "//", "%")
-_FLAW_SITE = re.compile(r"(?<= )(\+|-|\*|//|%)(?= )|\b\d+\b")
+def apply_calls(text: str, calls: list[tuple[str, dict]]) -> str:
+  """``calls`` (``edit_calls``'s form) made on ``text`` as the tools make them: ``str_replace`` of a
+  block that occurs once, ``insert`` of a line block after a line (0 = at the top)."""
+  for tool, args in calls:
+    if tool == "insert":
+      lines = text.splitlines(keepends=True)
+      if lines and not lines[-1].endswith("\n") and args["line"] == len(lines):
+        lines[-1] += "\n"
+      block = args["text"] if args["text"].endswith("\n") else args["text"] + "\n"
+      text = "".join(lines[:args["line"]] + [block] + lines[args["line"]:])
+    else:
+      if text.count(args["old"]) != 1:
+        raise ValueError(f"<old> occurs {text.count(args['old'])} times, not once: {args['old']!r}")
+      text = text.replace(args["old"], args["new"])
+  return text
 
 
 def flaw(old: str, new: str, rng: random.Random) -> str | None:
-  """``new`` with one binary operator swapped for another or one integer constant moved by one,
-  never back to ``old``; None when ``new`` has no such site. The site is drawn by ``rng``."""
-  options = []
-  for m in _FLAW_SITE.finditer(new):
-    tok = m.group(0)
-    subs = [o for o in _OPERATORS if o != tok] if tok in _OPERATORS else [str(int(tok) + 1),
-                                                                           str(max(int(tok) - 1, 0))]
-    for sub in subs:
-      cand = new[:m.start()] + sub + new[m.end():]
-      if cand not in (old, new):
-        options.append(cand)
+  """``new`` with one near miss (``templates.near_misses``: an operator or comparison swapped, a
+  constant moved by one), never back to ``old``; None when ``new`` has none. Drawn by ``rng``."""
+  options = [c for c in near_misses(new) if c != old]
   return rng.choice(options) if options else None
 
 
 class ExpertPolicy:
   """Plans view → edit per file → run tests → submit from the task's gold files; open loop.
 
-  With ``flaw_rng``, one of the edits is made wrong (``flaw``); everything else is the same plan."""
+  With ``flaw_rng``, one of the edits is made wrong (``flaw``); everything else is the same plan.
+  With ``recover`` too, a failing test run is followed by the fix, the tests and submit;
+  ``flawed_turn`` is then the index (among assistant turns) of the turn that made the flaw."""
   name = "expert"
 
-  def __init__(self, run_tests: bool = True, flaw_rng: random.Random | None = None):
+  def __init__(self, run_tests: bool = True, flaw_rng: random.Random | None = None,
+               recover: bool = False):
+    if recover and not (run_tests and flaw_rng is not None):
+      raise ValueError("recover needs run_tests and a flaw_rng: it fixes a flaw that a test run showed")
     self.run_tests = run_tests
     self.flaw_rng = flaw_rng
+    self.recover = recover
     self.plan: list[str] = []
     self.flawed = False
+    self.flawed_turn: int | None = None
 
   def reset(self, task: Task) -> None:
     order = list((task.source or {}).get("edit_order") or sorted(task.gold_files))
     turns = []
-    plans = []
+    plans, texts = [], []
     for rel in order:
       before = read_text(os.path.join(task.workspace_dir, rel))
       after = read_text(os.path.join(task.gold_dir, rel))
       plans.append((rel, edit_calls(before, after)))
-    self.flawed = False
+      texts.append((before, after))
+    self.flawed, self.flawed_turn, fixed = False, None, None
     if self.flaw_rng is not None:
       sites = [(i, j) for i, (_, edits) in enumerate(plans) for j in range(len(edits))]
       self.flaw_rng.shuffle(sites)
@@ -113,13 +133,17 @@ class ExpertPolicy:
         bad = flaw(args.get("old", ""), args[key], self.flaw_rng)
         if bad is not None:
           plans[i][1][j] = (tool, {**args, key: bad})
-          self.flawed = True
+          self.flawed, self.flawed_turn = True, 2 * i + 1
+          before, after = texts[i]
+          fixed = (plans[i][0], edit_calls(apply_calls(before, plans[i][1]), after))
           break
     for rel, edits in plans:
       turns.append(format_call("view", {"path": rel}))
-      turns.append("\n".join(format_call(tool, {"path": rel, **args}) for tool, args in edits))
+      turns.append(_calls(rel, edits))
     if self.run_tests:
       turns.append(format_call("terminal", {"command": TEST_COMMAND}))
+    if self.recover and fixed is not None:
+      turns += [_calls(*fixed), format_call("terminal", {"command": TEST_COMMAND})]
     turns.append(format_call("submit", {}))
     self.plan = turns
 
@@ -127,6 +151,10 @@ class ExpertPolicy:
     done = sum(m["role"] == "assistant" for m in messages)
     text = self.plan[done] if done < len(self.plan) else format_call("submit", {})
     return Turn(text)
+
+
+def _calls(rel: str, edits: list[tuple[str, dict]]) -> str:
+  return "\n".join(format_call(tool, {"path": rel, **args}) for tool, args in edits)
 
 
 def count_tokens(messages: list[dict], tokenizer) -> dict:
@@ -139,12 +167,15 @@ def count_tokens(messages: list[dict], tokenizer) -> dict:
 
 def expert_trajectories(tasks: list[Task], out_path: str, tokenizer=None, run_tests: bool = True,
                         tool_docs: str = "full", mode: str = "auto", flawed: int = 0, seed: int = 0,
-                        log=print) -> dict:
+                        recover: float = 0.0, log=print) -> dict:
   """Run the expert on ``tasks``; write the 1.0-graded trajectories as ``{"messages": ...}`` lines,
-  then ``flawed`` failing flawed runs per task (marked ``"flawed": true``, with their reward)."""
+  then ``flawed`` failing flawed runs per task (marked ``"flawed": true``, with their reward), and
+  for a ``recover`` share of the tasks (drawn by ``seed``) one recovery run (``"recovered": true``)."""
   sound = ExpertPolicy(run_tests)
   bad = ExpertPolicy(run_tests, flaw_rng=random.Random(seed))
-  stats, kept, kept_flawed = [], 0, 0
+  fixer = ExpertPolicy(run_tests, flaw_rng=random.Random(seed + 1), recover=True) if recover else None
+  pick = random.Random(seed + 2)
+  stats, kept, kept_flawed, kept_recovered = [], 0, 0, 0
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
   with open(out_path, "w", encoding="utf-8") as f:
     for task in tasks:
@@ -178,9 +209,33 @@ def expert_trajectories(tasks: list[Task], out_path: str, tokenizer=None, run_te
           stats.append({**rec, "flawed": True, "reward": traj.reward, "turns": traj.turns})
           f.write(json.dumps({"messages": traj.messages, **rec, "flawed": True,
                               "reward": traj.reward}) + "\n")
-  sound_stats = [s for s in stats if not s.get("flawed")]
-  return {"tasks": len(tasks), "kept": kept, "flawed": kept_flawed, "out": out_path,
-          "summary": summarize(sound_stats), "trajectories": stats}
+      if fixer is not None and pick.random() < recover:
+        msgs = _recovery_run(task, fixer, mode, max_turns, tool_docs)
+        if msgs is not None:
+          kept_recovered += 1
+          stats.append({**rec, "recovered": True, "reward": 1.0, "turns": len(msgs)})
+          f.write(json.dumps({"messages": msgs, **rec, "recovered": True}) + "\n")
+  sound_stats = [s for s in stats if not s.get("flawed") and not s.get("recovered")]
+  return {"tasks": len(tasks), "kept": kept, "flawed": kept_flawed, "recovered": kept_recovered,
+          "out": out_path, "summary": summarize(sound_stats), "trajectories": stats}
+
+
+def _recovery_run(task: Task, fixer: ExpertPolicy, mode: str, max_turns: int,
+                  tool_docs: str) -> list[dict] | None:
+  """A recovery run's messages, with the flawed turn marked ``"train": false``; None when no draw
+  (of 3) gives a flaw that the first test run shows and the fix then passes."""
+  for _ in range(3):
+    traj = run_episode(task, fixer, mode=mode, max_turns=max_turns, tool_docs=tool_docs)
+    if not fixer.flawed:
+      return None  # nothing to make wrong in this task's edits
+    asst = [i for i, m in enumerate(traj.messages) if m["role"] == "assistant"]
+    first_test = next(i for i in asst if TEST_COMMAND in traj.messages[i]["content"])
+    shown = "[exit code 0]" not in traj.messages[first_test + 1]["content"]
+    if traj.reward == 1.0 and shown:
+      msgs = [dict(m) for m in traj.messages]
+      msgs[asst[fixer.flawed_turn]]["train"] = False
+      return msgs
+  return None
 
 
 def summarize(stats: list[dict]) -> dict:

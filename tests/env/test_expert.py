@@ -4,6 +4,7 @@ the sandbox, and its JSONL trajectories read and tokenized by the SFT pipeline i
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import numpy as np
@@ -20,27 +21,17 @@ from composer_jax.env.episode import (
 )
 from composer_jax.env.expert import (
   ExpertPolicy,
+  apply_calls,
   edit_calls,
   expert_trajectories,
   flaw,
 )
 from composer_jax.env.protocol import parse
 from composer_jax.env.synthetic import TEMPLATES
+from composer_jax.env.tasks import read_text
 from composer_jax.env.tools import SPECS
 
 LEVELS = [(name, d) for name, t in TEMPLATES.items() for d in t.levels]
-
-
-def _apply(text: str, calls: list) -> str:
-  """The tools' semantics, by hand: str_replace of a unique block, insert after a line."""
-  for tool, args in calls:
-    if tool == "insert":
-      lines = text.splitlines(keepends=True)
-      text = "".join(lines[:args["line"]] + [args["text"] + "\n"] + lines[args["line"]:])
-    else:
-      assert text.count(args["old"]) == 1
-      text = text.replace(args["old"], args["new"])
-  return text
 
 
 def test_edit_calls_insert_added_lines_and_replace_changed_ones_exactly():
@@ -51,12 +42,12 @@ def test_edit_calls_insert_added_lines_and_replace_changed_ones_exactly():
   # to be unique.
   assert calls == [("insert", {"line": 2, "text": "c = 3"}),
                    ("str_replace", {"old": "def f(x):\n    return x", "new": "def f(x):\n    return x + 1"})]
-  assert _apply(before, calls) == after
+  assert apply_calls(before, calls) == after
   # Two inserts: the second's line number counts the first one's lines (calls run in order).
   before, after = "a\nb\nc\n", "top\na\nb\nx\ny\nc\n"
   calls = edit_calls(before, after)
   assert calls == [("insert", {"line": 0, "text": "top"}), ("insert", {"line": 3, "text": "x\ny"})]
-  assert _apply(before, calls) == after
+  assert apply_calls(before, calls) == after
   # A line changed and a line added in one block is one replace, anchored on no neighbour.
   assert edit_calls("x = 1\n", "y = 0\nx = 2\n") == [("str_replace", {"old": "x = 1", "new": "y = 0\nx = 2"})]
 
@@ -96,6 +87,59 @@ def test_flawed_runs_fail_and_differ_from_the_sound_run_in_one_edit(level_tasks,
     bad = [m["content"] for m in r["messages"] if m["role"] == "assistant"]
     assert len(bad) == len(sound) and sum(a != b for a, b in zip(bad, sound)) == 1
   assert rep["summary"]["pass_rate"] == 1.0  # the summary is of the sound runs
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_recovery_runs_fix_the_flaw_a_failing_test_showed_and_train_only_the_fix(level_tasks, tmp_path,
+                                                                              name):
+  """A recovery run is the flawed plan, a failing test run, the fix, a passing one and submit; its
+  flawed turn is left out of SFT's loss, and the fix is ``edit_calls`` from the flawed file."""
+  from composer_jax.data import sources
+  from composer_jax.data.tokenizer import train_bpe
+  task = level_tasks[(name, TEMPLATES[name].levels[0])]
+  out = tmp_path / "t.jsonl"
+  for seed in range(4):  # a draw can flaw a line the visible tests do not pin down: none is kept
+    rep = expert_trajectories([task], str(out), tool_docs="brief", recover=1.0, seed=seed,
+                              log=lambda m: None)
+    if rep["recovered"]:
+      break
+  recs = [json.loads(line) for line in out.read_text().splitlines()]
+  assert rep["kept"] == 1 and rep["recovered"] == 1 and recs[1]["recovered"]
+  msgs = recs[1]["messages"]
+  asst = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+  sound = [m["content"] for m in recs[0]["messages"] if m["role"] == "assistant"]
+  n_files = len(task.source["edit_order"])
+  assert len(asst) == len(sound) + 2  # the fix and a second test run
+  untrained = [i for i in asst if msgs[i].get("train") is False]
+  assert len(untrained) == 1 and msgs[untrained[0]]["content"] not in sound  # the flawed edit
+  tests = [i for i in asst if "run_tests.py" in msgs[i]["content"]]
+  assert len(tests) == 2 and tests[1] == asst[-2]
+  assert "[exit code 0]" not in msgs[tests[0] + 1]["content"]  # the flaw showed
+  assert "[exit code 0]" in msgs[tests[1] + 1]["content"]  # the fix passes
+  # The fix is the one change from the flawed file to the reference, on the flawed file's path.
+  flawed_at = asst.index(untrained[0]) // 2
+  rel = task.source["edit_order"][flawed_at]
+  fix = parse(msgs[tests[0] + 2]["content"], SPECS).calls
+  assert [c.args["path"] for c in fix] == [rel] * len(fix) and flawed_at < n_files
+  before = read_text(os.path.join(task.workspace_dir, rel))
+  flawed = apply_calls(before, [(c.name, {k: v for k, v in c.args.items() if k != "path"})
+                                for c in parse(msgs[untrained[0]]["content"], SPECS).calls])
+  gold = read_text(os.path.join(task.gold_dir, rel))
+  assert apply_calls(flawed, [(c.name, {k: v for k, v in c.args.items() if k != "path"})
+                              for c in fix]) == gold != flawed
+  # SFT's mask: no token of the flawed turn is trained; every other assistant turn is.
+  tok = train_bpe([d.read() for d in sources.list_docs("stdlib", max_files=5)], 300)
+  mask = encode_chat(msgs, tok)["loss_mask"]
+  full = encode_chat([{k: v for k, v in m.items() if k != "train"} for m in msgs], tok)["loss_mask"]
+  flawed_tokens = len(tok.encode(msgs[untrained[0]]["content"] + chat.IM_END))
+  assert full.sum() - mask.sum() == flawed_tokens > 0
+
+
+def test_recovery_needs_a_flaw_and_test_runs():
+  with pytest.raises(ValueError, match="recover"):
+    ExpertPolicy(run_tests=False, flaw_rng=random.Random(0), recover=True)
+  with pytest.raises(ValueError, match="recover"):
+    ExpertPolicy(recover=True)
 
 
 @pytest.fixture(scope="module")
