@@ -296,13 +296,16 @@ def hidden_steps(before: dict, after: dict, make_steps, rng: random.Random, n: i
   for steps in lists:
     ends.append(ends[-1] + sum(kind == "check" for kind, _ in steps))
 
-  def per_list(sources):
-    out = run_steps(sources, flat(lists))
-    return [out[a:b] for a, b in itertools.pairwise(ends)]
+  def per_list(sources, upto):  # each list's results, for the first ``upto`` lists
+    out = run_steps(sources, flat(lists[:upto]))
+    return [out[a:b] for a, b in itertools.pairwise(ends[:upto + 1])]
 
-  ref, keep = per_list(after), list(range(len(chosen)))
+  ref, keep = per_list(after, len(lists)), list(range(len(chosen)))
   for mut in mutants(before, after):
-    got = per_list(mut)
+    # Most mutants fail the drawn cases; only the others are run on the whole pool.
+    if any(a != b for a, b in zip(per_list(mut, len(chosen)), ref, strict=False)):
+      continue
+    got = per_list(mut, len(lists))
     if all(got[i] == ref[i] for i in keep):
       keep += [i for i in range(len(chosen), len(lists)) if got[i] != ref[i]][:1]
   return flat(lists[i] for i in keep)
