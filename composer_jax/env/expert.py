@@ -33,8 +33,8 @@ import random
 
 from composer_jax.env.episode import Turn, approx_tokens, run_episode
 from composer_jax.env.protocol import format_call
+from composer_jax.env.synthetic.cases import near_misses
 from composer_jax.env.synthetic.runner import RUNNER_PATH
-from composer_jax.env.synthetic.templates import near_misses
 from composer_jax.env.tasks import Task, read_text
 
 TEST_COMMAND = f"python {RUNNER_PATH}"
@@ -89,7 +89,7 @@ def apply_calls(text: str, calls: list[tuple[str, dict]]) -> str:
 
 
 def flaw(old: str, new: str, rng: random.Random) -> str | None:
-  """``new`` with one near miss (``templates.near_misses``: an operator or comparison swapped, a
+  """``new`` with one near miss (``cases.near_misses``: an operator or comparison swapped, a
   constant moved by one), never back to ``old``; None when ``new`` has none. Drawn by ``rng``."""
   options = [c for c in near_misses(new) if c != old]
   return rng.choice(options) if options else None

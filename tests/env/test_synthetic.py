@@ -193,7 +193,7 @@ def test_runner_prints_failures_for_the_agent(level_tasks, tmp_path):
   assert "FAILED test_" in out and "assert " in out and "0 passed, 1 failed" in out
 
 
-# One-site slips, enumerated here independently of templates.near_misses: an arithmetic operator or
+# One-site slips, enumerated here independently of cases.near_misses: an arithmetic operator or
 # a comparison swapped for another of its kind, or an integer constant moved by one.
 _SLIP = re.compile(r" (\+|-|\*|//|%|<=|>=|<|>|==) |\b(\d+)\b")
 _SWAP = {op: kind for kind in (["+", "-", "*", "//", "%"], ["<", ">", "<=", ">=", "=="]) for op in kind}

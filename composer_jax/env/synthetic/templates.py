@@ -6,8 +6,8 @@ expected values by running the reference code (our own generated code, in this p
 tests hold a couple of examples; hidden tests (restored only at grading) hold more cases and check
 exact result types, so hard-coding the visible examples or returning an always-equal object fails.
 The hidden cases also tell the reference apart from each of its near misses (one operator,
-comparison or constant changed on a line the change adds) wherever an input can (``hidden_steps``):
-without that, a third of the level-3 tasks passed with a slip such as ``<`` for ``<=``.
+comparison or constant changed on a line the change adds) wherever an input can
+(``cases.hidden_steps``).
 
 Prompts put file names in backticks: the BPE then splits a name as the tool call writes it
 (`logic.py` -> 'log' 'ic' '.' 'py'; a bare " logic.py" starts with the space-prefixed ' log'), so
@@ -22,10 +22,9 @@ of logic (a filter, a count, a conditional, an off-by-one).
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import json
 import random
-import re
+
+from composer_jax.env.synthetic.cases import differing, flat, hidden_steps, run_steps
 
 # --------------------------------------------------------------------------------------------------
 # Vocabulary (module names avoid the stdlib modules the runner imports: a local file would shadow them)
@@ -180,41 +179,6 @@ def module(*blocks: str, header: str = "") -> str:
   return "\n\n\n".join(p.strip("\n") for p in parts) + "\n"
 
 
-def run_steps(sources: dict, steps: list) -> list:
-  """Run ``steps`` (("stmt", code) | ("check", expr)) against modules given as source text.
-
-  Returns the value (or the exception type name) of each check, in order.
-  """
-  import sys
-  import types
-  saved = {name: sys.modules.get(name) for name in sources}
-  ns: dict = {}
-  out = []
-  try:
-    for name, text in sources.items():  # dependency order: constants first
-      mod = types.ModuleType(name)
-      sys.modules[name] = mod
-      exec(compile(text, f"{name}.py", "exec"), mod.__dict__)  # noqa: S102 - our generated code
-      ns[name] = mod
-      ns.update({k: v for k, v in mod.__dict__.items() if not k.startswith("__")})
-    for kind, code in steps:
-      try:
-        if kind == "stmt":
-          exec(code, ns)  # noqa: S102
-        else:
-          out.append(eval(code, ns))
-      except Exception as e:  # noqa: BLE001 - a broken variant just differs
-        if kind == "check":
-          out.append(f"<{type(e).__name__}>")
-  finally:
-    for name, mod in saved.items():
-      if mod is None:
-        sys.modules.pop(name, None)
-      else:
-        sys.modules[name] = mod
-  return out
-
-
 def render_test(name: str, steps: list, values: list, strict: bool) -> str:
   """A test function: statements as they are, checks as ``assert e == v`` (or ``check(e, v)``)."""
   lines = [f"def {name}():"]
@@ -236,87 +200,8 @@ def test_file(imports: list, tests: list) -> str:
   return module(*tests, header="\n".join(imports))
 
 
-def differing(before: dict, after: dict, make_steps, rng: random.Random, n: int,
-              tries: int = 60) -> list:
-  """``n`` step lists on which the reference and the starting code give different results (the
-  first ones), so the tests fail before the change; later lists may agree."""
-  found, rest = [], []
-  for _ in range(tries):
-    steps = make_steps(rng)
-    if run_steps(after, steps) != run_steps(before, steps):
-      found.append(steps)
-    else:
-      rest.append(steps)
-    if len(found) >= n:
-      break
-  if not found:
-    raise ValueError("no input separates the reference from the starting code")
-  return (found + rest)[:n] if len(found) < n else found
-
-
-_SITE = re.compile(r"(?<= )(\+|-|\*|//|%|<=|>=|<|>|==)(?= )|\b\d+\b")
-_KINDS = (("+", "-", "*", "//", "%"), ("<", ">", "<=", ">=", "=="))
-
-
-def near_misses(text: str) -> list[str]:
-  """``text`` with one binary operator swapped for another of its kind (arithmetic or comparison,
-  spaced as the templates write them) or one integer constant moved by one (never below 0)."""
-  out = []
-  for m in _SITE.finditer(text):
-    tok = m.group(0)
-    kind = next((k for k in _KINDS if tok in k), None)
-    subs = [o for o in kind if o != tok] if kind else [str(int(tok) + 1), str(max(int(tok) - 1, 0))]
-    out += [text[:m.start()] + s + text[m.end():] for s in subs]
-  return [t for t in dict.fromkeys(out) if t != text]
-
-
-def mutants(before: dict, after: dict) -> list[dict]:
-  """``after`` with one near miss (``near_misses``) on one line the change adds."""
-  out = []
-  for mod, text in after.items():
-    old = set(before.get(mod, "").splitlines())
-    lines = text.splitlines(keepends=True)
-    for i, line in enumerate(lines):
-      if line.rstrip("\n") not in old and not line.lstrip().startswith(('"""', "#")):
-        out += [{**after, mod: "".join(lines[:i] + [v] + lines[i + 1:])} for v in near_misses(line)]
-  return out
-
-
-def hidden_steps(before: dict, after: dict, make_steps, rng: random.Random, n: int,
-                 pool: int = 48) -> list:
-  """The hidden test's steps: ``n`` step lists on which the starting code fails (``differing``),
-  then, for each mutant of the reference (``mutants``) that those do not catch, the first of
-  ``pool`` further step lists that does. A mutant none of them catches behaves as the reference on
-  these inputs. The pool has its own generator, seeded by ``after``, so the instance's other draws
-  (files, visible tests) are what they were without it."""
-  chosen = differing(before, after, make_steps, rng, n)
-  gen = random.Random(json.dumps(after, sort_keys=True))
-  lists = chosen + [make_steps(gen) for _ in range(pool)]
-  ends = [0]
-  for steps in lists:
-    ends.append(ends[-1] + sum(kind == "check" for kind, _ in steps))
-
-  def per_list(sources, upto):  # each list's results, for the first ``upto`` lists
-    out = run_steps(sources, flat(lists[:upto]))
-    return [out[a:b] for a, b in itertools.pairwise(ends[:upto + 1])]
-
-  ref, keep = per_list(after, len(lists)), list(range(len(chosen)))
-  for mut in mutants(before, after):
-    # Most mutants fail the drawn cases; only the others are run on the whole pool.
-    if any(a != b for a, b in zip(per_list(mut, len(chosen)), ref, strict=False)):
-      continue
-    got = per_list(mut, len(lists))
-    if all(got[i] == ref[i] for i in keep):
-      keep += [i for i in range(len(chosen), len(lists)) if got[i] != ref[i]][:1]
-  return flat(lists[i] for i in keep)
-
-
 def call_steps(fn: str, args: list):
   return lambda rng: [("check", f"{fn}({', '.join(arg_values(rng, args))})")]
-
-
-def flat(step_lists: list) -> list:
-  return [s for steps in step_lists for s in steps]
 
 
 def _src(d: dict) -> dict:
