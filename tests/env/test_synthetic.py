@@ -297,4 +297,4 @@ def test_hidden_tests_catch_every_slip_that_some_input_shows(name):
     for k in list(sys.modules):
       if k not in saved:
         del sys.modules[k]
-  assert caught > 10 * equivalent >= 0
+  assert caught > 10 * equivalent
