@@ -28,6 +28,7 @@ from composer_jax.rl.losses import (
   token_logprobs,
 )
 from composer_jax.rl.rewards import episode_reward
+from composer_jax.train.step import ROWS
 
 # --------------------------------------------------------------------------------------------------
 # Rewards and advantages
@@ -341,7 +342,10 @@ def make_rl_loss(cfg: Config):
     out = model(batch["tokens"], batch["segment_ids"], batch["positions"], routed_experts=replay,
                 mtp=False, return_live_routing=cfg.model.n_moe_layers > 0)
     logp, ent = token_logprobs(out.logits, batch["tokens"], rl.temperature, with_entropy=True)
-    old = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(logp)
+    now = jax.lax.stop_gradient(logp)
+    old = now
+    if "old_logp" in batch:  # rows with old_is_current = 1 are at the weights that sampled them
+      old = jnp.where(batch["old_is_current"][:, None] > 0, now, batch["old_logp"])
     pg_batch = {"old_logp": old, "sampler_logp": batch["sampler_logp"],
                 "advantages": batch["advantages"], "loss_mask": batch["loss_mask"], "entropy": ent,
                 "ref_logp": batch.get("ref_logp"), "segment_ids": batch["segment_ids"]}
@@ -369,6 +373,8 @@ def make_rl_loss(cfg: Config):
       metrics.update(fm)
       metrics["loss"] = loss
     metrics["tokens"] = mask.sum()
+    if "old_logp" in batch:  # the next PPO pass's old_logp when this one is at the sampling weights
+      metrics[ROWS] = {"logp": now}
     return loss, metrics, out
 
   return loss_fn

@@ -30,6 +30,7 @@ from composer_jax.config import Config, ConfigError, dump_config
 from composer_jax.rl import learner as L
 from composer_jax.rl.agent import Job, RolloutRunner
 from composer_jax.rl.curriculum import make_stream
+from composer_jax.train.step import ROWS
 
 
 def load_task_set(path: str, field: str) -> list:
@@ -176,8 +177,15 @@ class RLRun:
                        m.n_experts_per_tok, pad)
       batch = L.interleave(batch, sft, rl.minibatches)
       info["rows"] = batch["tokens"].shape[0]
-    if rl.minibatches > 1 or rl.epochs > 1:  # later updates are off the sampling weights
+    n_rows = batch["tokens"].shape[0]
+    if rl.minibatches == 1 and rl.epochs > 1:
+      # The first pass is at the sampling weights (its ratio is 1 without an old_logp) and returns
+      # its log-probs as the later passes' old_logp: no separate forward (``learn``).
+      batch["old_logp"] = np.zeros(batch["tokens"].shape, np.float32)
+      batch["old_is_current"] = np.ones((n_rows,), np.float32)
+    elif rl.minibatches > 1:  # later minibatches are off the sampling weights
       batch["old_logp"] = np.asarray(self.logp_fn(self.tr.state["params"], self.tr.state["rest"], batch))
+      batch["old_is_current"] = np.zeros((n_rows,), np.float32)
     if rl.kl_coef > 0:
       batch["ref_logp"] = np.asarray(self.logp_fn(*self.frozen, batch))
     return batch, info
@@ -239,7 +247,11 @@ class RLRun:
       for i in range(n_mb):
         mb = {k: v[i * per:(i + 1) * per] for k, v in batch.items()}
         self.tr.state, out = self.tr.step_fn(self.tr.state, put_batch(self.tr, mb))
-        for k, v in jax.device_get(out).items():
+        out = jax.device_get(out)
+        rows = out.pop(ROWS, None)
+        if rows is not None and n_mb == 1 and batch["old_is_current"][0] > 0:
+          batch.update(old_logp=rows["logp"], old_is_current=np.zeros_like(batch["old_is_current"]))
+        for k, v in out.items():
           learn[k] = learn.get(k, 0.0) + float(v) / (n_mb * rl.epochs)
     t2 = time.perf_counter()
     self.publish(step)

@@ -132,11 +132,16 @@ def head_weight(model) -> jax.Array:
   return model.embed[...].T if model.cfg.tie_embeddings else model.head[...]
 
 
+ROWS = "rows"  # the metrics key of a loss's per-row outputs (see make_train_step)
+
+
 def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
                     lr_fn: Callable | None = None, loss_fn: Callable | None = None) -> Callable:
   """``train_step(state, batch)`` for ``loss_fn`` (default ``lm_loss_fn``; see it for the contract).
 
-  Every leaf of ``batch`` has the batch as its leading dim (micro-batches split it).
+  Every leaf of ``batch`` has the batch as its leading dim (micro-batches split it). A loss may put
+  per-row arrays (leading dim = its batch) under ``metrics[ROWS]``: they come back as ``out[ROWS]``
+  for the whole batch, computed at the weights before the update, and are not averaged.
   """
   mcfg, tcfg = cfg.model, cfg.train
   user_loss = loss_fn if loss_fn is not None else lm_loss_fn
@@ -149,9 +154,11 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
     loss, metrics, out = user_loss(model, mb, cfg)
     if "tokens" not in metrics:
       raise ValueError("loss_fn metrics must contain 'tokens' (the count the loss averages over)")
+    metrics = dict(metrics)
+    rows = metrics.pop(ROWS, {})
     head_max = pop_max_logits(model) if qk_clip else jnp.zeros((0,), jnp.float32)
     loads = out.router_loads if out.router_loads is not None else jnp.zeros((0,), jnp.float32)
-    return loss, (metrics, loads, head_max)
+    return loss, (metrics, loads, head_max, rows)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -159,16 +166,16 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
     params, rest = state["params"], state["rest"]
     n = tcfg.grad_accum
     if n == 1:
-      (loss, (metrics, loads, head_max)), grads = grad_fn(params, rest, batch)
+      (loss, (metrics, loads, head_max, rows)), grads = grad_fn(params, rest, batch)
     else:
       # Token-weighted sum over micro-batches: each micro loss is a mean over its own targets.
       def body(carry, mb):
         g_acc, m_acc, l_acc, h_acc, tok = carry
-        (_, (m, lo, hm)), g = grad_fn(params, rest, mb)
+        (_, (m, lo, hm, r)), g = grad_fn(params, rest, mb)
         w = m["tokens"]
         g_acc = jax.tree.map(lambda a, b: a + w * b.astype(jnp.float32), g_acc, g)
         m_acc = jax.tree.map(lambda a, b: a + w * b, m_acc, m)
-        return (g_acc, m_acc, l_acc + lo, jnp.maximum(h_acc, hm), tok + w), None
+        return (g_acc, m_acc, l_acc + lo, jnp.maximum(h_acc, hm), tok + w), r
 
       mbs = _micro_batches(batch, n)
       first = jax.tree.map(lambda x: x[0], mbs)
@@ -178,7 +185,8 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
       # micro-batch contributions, and scan needs the carry's dtype fixed).
       init = (zeros(params), zeros(m_shape[0]), zeros(m_shape[1]),
               jnp.full(m_shape[2].shape, -jnp.inf, jnp.float32), jnp.zeros((), jnp.float32))
-      (g_sum, m_sum, l_sum, head_max, tok), _ = jax.lax.scan(body, init, mbs)
+      (g_sum, m_sum, l_sum, head_max, tok), rows = jax.lax.scan(body, init, mbs)
+      rows = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), rows)  # micro-batches -> rows
       denom = jnp.maximum(tok, 1.0)
       # With a float32 master copy the float32 mean goes to the optimizer as it is.
       keep32 = isinstance(state["opt_state"], optim.MasterState)
@@ -214,6 +222,8 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
                **load_balance(loads if loads.size else None))
     if lr_fn is not None:
       out["lr"] = lr_fn(state["step"])
+    if rows:
+      out[ROWS] = rows
     return new_state, out
 
   return train_step

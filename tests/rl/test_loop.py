@@ -222,15 +222,19 @@ def test_dynamic_sampling_draws_more_groups_and_skips_a_step_without_signal(worl
   run.ck.close()
 
 
-def test_epochs_reuse_a_steps_rollouts_for_more_updates(world):
+@pytest.mark.parametrize("accum", [1, 2])
+def test_epochs_reuse_a_steps_rollouts_for_more_updates(world, accum):
   """rl.epochs=2: two optimizer updates per step on the same rollouts, the schedule spans them all,
-  and the second pass is off the sampling weights (its PPO ratio departs from 1). The random policy
-  resolves nothing, so one episode of each group is marked resolved to give a gradient."""
+  and the second pass is off the sampling weights (its PPO ratio departs from 1). Its old_logp are
+  the first pass's log-probs (out of the train step, micro-batched or not): they match a separate
+  forward, and so do the updated weights. The random policy resolves nothing, so one episode of
+  each group is marked resolved to give a gradient."""
   from composer_jax.rl.agent import Job
   from composer_jax.rl.loop import RLRun
+  from composer_jax.train.loop import put_batch
   root, init, _ = world
-  run = RLRun(_rl_cfg(world, "rl.steps=2", "rl.epochs=2"), str(root / "epochs"), init=init,
-              log=lambda m: None)
+  run = RLRun(_rl_cfg(world, "rl.steps=2", "rl.epochs=2", f"train.grad_accum={accum}"),
+              str(root / f"epochs{accum}"), init=init, log=lambda m: None)
   try:
     assert run.cfg.train.steps == 4
     rollouts = run.runner.run([Job(run.tasks[g], g, s) for g in range(2) for s in range(2)])
@@ -239,9 +243,25 @@ def test_epochs_reuse_a_steps_rollouts_for_more_updates(world):
       first.setdefault(r.group, r)
     for r in first.values():
       r.traj.reward, r.traj.resolved = 1.0, True
+    before = jax.tree.map(jnp.copy, run.tr.state)
     rec = run.learn(1, rollouts, None, 0.0)
     assert int(run.tr.state["step"]) == 2
     assert rec["update_skipped"] == 0 and abs(rec["ratio_mean"] - 1.0) > 1e-6, rec
+    # The first pass's log-probs stood in for a separate forward at the sampling weights: the same
+    # two updates with old_logp from the logp function give the same weights.
+    after = run.tr.state
+    batch, _ = run._batch(rollouts, L.score_rollouts(rollouts, run.cfg, ks=(1, 2)), 1)
+    assert batch["old_is_current"].all()
+    old = np.asarray(run.logp_fn(before["params"], before["rest"], batch))
+    _, out = run.tr.step_fn(jax.tree.map(jnp.copy, before), put_batch(run.tr, batch))
+    m = batch["segment_ids"] > 0
+    np.testing.assert_allclose(np.asarray(out["rows"]["logp"])[m], old[m], atol=2e-5)
+    batch.update(old_logp=old, old_is_current=np.zeros_like(batch["old_is_current"]))
+    run.tr.state = before
+    for _ in range(2):
+      run.tr.state, _ = run.tr.step_fn(run.tr.state, put_batch(run.tr, batch))
+    for a, b in zip(jax.tree.leaves(after["params"]), jax.tree.leaves(run.tr.state["params"]), strict=True):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
   finally:
     run.rollout_file.close()
     run.metrics.close()
