@@ -373,7 +373,7 @@ def make_rl_loss(cfg: Config):
       metrics.update(fm)
       metrics["loss"] = loss
     metrics["tokens"] = mask.sum()
-    if "old_logp" in batch:  # the next PPO pass's old_logp when this one is at the sampling weights
+    if "old_logp" in batch:  # the next PPO pass's old_logp when this pass is the step's first
       metrics[ROWS] = {"logp": now}
     return loss, metrics, out
 

@@ -179,11 +179,12 @@ class RLRun:
       info["rows"] = batch["tokens"].shape[0]
     n_rows = batch["tokens"].shape[0]
     if rl.minibatches == 1 and rl.epochs > 1:
-      # The first pass is at the sampling weights (its ratio is 1 without an old_logp) and returns
-      # its log-probs as the later passes' old_logp: no separate forward (``learn``).
+      # old_logp are the learner's log-probs before this step's updates. The first pass runs at
+      # exactly those weights (ratio 1) and returns its log-probs as the later passes' old_logp: no
+      # separate forward (``learn``). Sampler-vs-learner drift is sampler_logp's correction.
       batch["old_logp"] = np.zeros(batch["tokens"].shape, np.float32)
       batch["old_is_current"] = np.ones((n_rows,), np.float32)
-    elif rl.minibatches > 1:  # later minibatches are off the sampling weights
+    elif rl.minibatches > 1:  # minibatch i runs after i updates: a forward before the first
       batch["old_logp"] = np.asarray(self.logp_fn(self.tr.state["params"], self.tr.state["rest"], batch))
       batch["old_is_current"] = np.zeros((n_rows,), np.float32)
     if rl.kl_coef > 0:

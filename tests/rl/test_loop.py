@@ -247,7 +247,7 @@ def test_epochs_reuse_a_steps_rollouts_for_more_updates(world, accum):
     rec = run.learn(1, rollouts, None, 0.0)
     assert int(run.tr.state["step"]) == 2
     assert rec["update_skipped"] == 0 and abs(rec["ratio_mean"] - 1.0) > 1e-6, rec
-    # The first pass's log-probs stood in for a separate forward at the sampling weights: the same
+    # The first pass's log-probs stood in for a separate forward before the updates: the same
     # two updates with old_logp from the logp function give the same weights.
     after = run.tr.state
     batch, _ = run._batch(rollouts, L.score_rollouts(rollouts, run.cfg, ks=(1, 2)), 1)
