@@ -344,7 +344,7 @@ def make_rl_loss(cfg: Config):
     logp, ent = token_logprobs(out.logits, batch["tokens"], rl.temperature, with_entropy=True)
     now = jax.lax.stop_gradient(logp)
     old = now
-    if "old_logp" in batch:  # rows with old_is_current = 1 are at the weights that sampled them
+    if "old_logp" in batch:  # old_is_current = 1: this pass runs at the weights old_logp is defined at
       old = jnp.where(batch["old_is_current"][:, None] > 0, now, batch["old_logp"])
     pg_batch = {"old_logp": old, "sampler_logp": batch["sampler_logp"],
                 "advantages": batch["advantages"], "loss_mask": batch["loss_mask"], "entropy": ent,

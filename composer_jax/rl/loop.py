@@ -250,7 +250,7 @@ class RLRun:
         self.tr.state, out = self.tr.step_fn(self.tr.state, put_batch(self.tr, mb))
         out = jax.device_get(out)
         rows = out.pop(ROWS, None)
-        if rows is not None and n_mb == 1 and batch["old_is_current"][0] > 0:
+        if rows is not None and batch["old_is_current"][0] > 0:  # set only with one minibatch
           batch.update(old_logp=rows["logp"], old_is_current=np.zeros_like(batch["old_is_current"]))
         for k, v in out.items():
           learn[k] = learn.get(k, 0.0) + float(v) / (n_mb * rl.epochs)
