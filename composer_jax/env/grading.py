@@ -4,6 +4,10 @@ Resolved means every FAIL_TO_PASS and every PASS_TO_PASS test is reported as pas
 missing test counts as a failure). The exit code of the test command is cross-checked against the
 report: a report that says "all passed" next to a failing exit code (or the reverse) means something
 in the run tampered with it, and the grade is 0.
+
+Tasks with ``grader = "values"`` (the synthetic ones) are graded by ``run_value_checks`` instead:
+the sandbox only reports the values the checks saw, and the expected values never leave the host
+(``oracle.py``). A test run's report can be forged by the code it imports; values cannot.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 
-from composer_jax.env import guards
+from composer_jax.env import guards, oracle
 from composer_jax.env.sandbox import Limits, Sandbox
 from composer_jax.env.tasks import Task
 
@@ -79,10 +83,7 @@ def run_tests(task: Task, root: str, limits: Limits, mode: str = "auto",
   """
   with tempfile.TemporaryDirectory(prefix="cj-report-") as rep:
     report = os.path.join(rep, "junit.xml")
-    hide = guards.installed_copies(task.package_modules)
-    if task.path:
-      hide.append(task.path)  # the task store (gold, hidden tests) is out of reach
-    sb = Sandbox(root, limits, mode=mode, binds=[rep], hide=hide)
+    sb = Sandbox(root, limits, mode=mode, binds=[rep], hide=_hidden_from_sandbox(task))
     cmd = task.test_command.replace("{junitxml}", report)
     if extra_args:
       cmd = f"{cmd} {extra_args}"
@@ -96,6 +97,45 @@ def run_tests(task: Task, root: str, limits: Limits, mode: str = "auto",
     return outcomes, r.exit_code, r.output, True
 
 
+def _hidden_from_sandbox(task: Task) -> list[str]:
+  hide = guards.installed_copies(task.package_modules)
+  if task.path:
+    hide.append(task.path)  # the task store (gold, hidden tests) is out of reach
+  return hide
+
+
+def value_check_files(task: Task) -> list[str]:
+  """The protected test files a values-graded task checks (top-level ``test_*.py``)."""
+  return [r for r in task.test_files if "/" not in r and r.startswith("test_") and r.endswith(".py")]
+
+
+def run_value_checks(task: Task, root: str, limits: Limits,
+                     mode: str = "auto") -> tuple[dict[str, str], str, bool]:
+  """Grade ``root`` by values: rewrite its (restored) test files without their expected values, run
+  them in a fresh sandbox with ``oracle.PROBE_SOURCE`` and compare the values it reports on the host.
+
+  Returns (outcomes by node id, output tail, whether the probe wrote its values)."""
+  expected = {}
+  files = value_check_files(task)
+  for rel in files:
+    path = os.path.join(root, rel)
+    with open(path, encoding="utf-8") as f:
+      text, expected[rel] = oracle.split_checks(f.read(), rel)
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(text)
+  with tempfile.TemporaryDirectory(prefix="cj-values-") as rep:
+    probe, out = os.path.join(rep, "probe.py"), os.path.join(rep, "values.json")
+    with open(probe, "w", encoding="utf-8") as f:
+      f.write(oracle.PROBE_SOURCE)
+    sb = Sandbox(root, limits, mode=mode, binds=[rep], hide=_hidden_from_sandbox(task))
+    r = sb.run(f"python -S {probe} {out} . {' '.join(files)}", env=test_env(task, root),
+               max_output_chars=4000)
+    results = oracle.read_results(out)
+  if results is None:
+    return {}, r.output, False
+  return oracle.outcomes(expected, results), r.output, True
+
+
 def prepare_grading_copy(task: Task, workspace: str, dest: str) -> dict:
   """Copy the agent's workspace to ``dest``, clean it and restore every protected file."""
   shutil.copytree(workspace, dest, symlinks=False, dirs_exist_ok=True,
@@ -105,15 +145,17 @@ def prepare_grading_copy(task: Task, workspace: str, dest: str) -> dict:
   return {"removed_junk": removed[:20], "removed_new_test_files": touched[:20]}
 
 
-def verdict(fail_to_pass: list, pass_to_pass: list, outcomes: dict, exit_code: int,
+def verdict(fail_to_pass: list, pass_to_pass: list, outcomes: dict, exit_code: int | None,
             have_report: bool = True) -> tuple[bool, dict]:
-  """Resolved iff every listed test is reported passed and the exit code agrees with the report."""
+  """Resolved iff every listed test is reported passed and the exit code agrees with the report
+  (``exit_code`` None: values grading, where the outcomes are the grader's own)."""
   f2p = {t: outcomes.get(t, "missing") for t in fail_to_pass}
   p2p = {t: outcomes.get(t, "missing") for t in pass_to_pass}
   failed = [t for t, o in {**f2p, **p2p}.items() if o != "passed"]
   any_bad = any(o in ("failed", "error") for o in outcomes.values())
   # pytest: 0 = all passed, 1 = some failed; a clean report beside another code is tampering.
-  consistent = have_report and ((exit_code == 0) == (not any_bad)) and exit_code in (0, 1)
+  consistent = have_report and (exit_code is None or (
+      (exit_code == 0) == (not any_bad) and exit_code in (0, 1)))
   resolved = bool(have_report and consistent and not failed)
   return resolved, {
       "resolved": resolved,
@@ -134,7 +176,11 @@ def grade(task: Task, workspace: str, limits: Limits | None = None, mode: str = 
   with tempfile.TemporaryDirectory(prefix="cj-grade-") as tmp:
     dest = os.path.join(tmp, "ws")
     prep = prepare_grading_copy(task, workspace, dest)
-    outcomes, code, tail, have_report = run_tests(task, dest, limits, mode)
+    if task.grader == "values":
+      outcomes, tail, have_report = run_value_checks(task, dest, limits, mode)
+      code = None
+    else:
+      outcomes, code, tail, have_report = run_tests(task, dest, limits, mode)
   resolved, details = verdict(task.FAIL_TO_PASS, task.PASS_TO_PASS, outcomes, code, have_report)
   details.update(seconds=round(time.perf_counter() - t0, 3), **prep)
   consistent = details["report_consistent"]

@@ -36,6 +36,9 @@ class Task:
   FAIL_TO_PASS: list
   PASS_TO_PASS: list
   test_command: str = DEFAULT_TEST_COMMAND
+  # "junit": run test_command and read its report. "values": the checks' values are compared on the
+  # host, so code under test cannot forge a pass (env/oracle.py; the synthetic tasks).
+  grader: str = "junit"
   source: dict = dataclasses.field(default_factory=dict)  # kind: sdist|local, package, version, path
   base_commit: str = ""  # commit of the fresh single-commit workspace repo
   patch: str = ""  # reference solution, unified diff against the workspace
@@ -91,6 +94,8 @@ def task_from_json(data: dict, path: str = "") -> Task:
     raise TaskError(f"{path or 'task'}: unknown field(s) {', '.join(unknown)}")
   if not data["FAIL_TO_PASS"]:
     raise TaskError(f"{path or 'task'}: FAIL_TO_PASS is empty; a task needs at least one test")
+  if data.get("grader", "junit") not in ("junit", "values"):
+    raise TaskError(f"{path or 'task'}: grader={data['grader']!r}; use 'junit' or 'values'")
   return Task(**data, path=path)
 
 

@@ -1,8 +1,9 @@
 """Procedurally generated tiny repositories a small model can learn: ``tasks generate --synthetic N``.
 
 Each instance is one or two source files of a few lines, a visible test file, hidden tests and the
-light runner (``runner.py``), written in the ordinary task schema (``tasks.py``) and graded by the
-ordinary sandboxed grader. Templates (``templates.py``) draw names, constants and operations, so
+light runner (``runner.py``), written in the ordinary task schema (``tasks.py``) and graded in the
+ordinary sandbox by values (``grader="values"``: the checks' expected values stay on the host,
+``oracle.py``). Templates (``templates.py``) draw names, constants and operations, so
 memorising instances does not pass.
 
 Held-out split, two ways: whole templates are held out (``Template.split``), and within the
@@ -21,6 +22,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 
+from composer_jax.env.oracle import split_checks
 from composer_jax.env.synthetic import templates as T
 from composer_jax.env.synthetic.runner import RUNNER_PATH, RUNNER_SOURCE, TEST_COMMAND
 from composer_jax.env.tasks import Task, save_task, write_text
@@ -143,7 +145,7 @@ def write_task(inst: T.Instance, task_dir: str, limits: dict | None = None) -> T
   task = Task(
       instance_id=iid, repo=f"synthetic/{inst.template}", problem_statement=inst.statement,
       problem_statement_terse=inst.prompt, FAIL_TO_PASS=list(inst.fail_to_pass),
-      PASS_TO_PASS=list(inst.pass_to_pass), test_command=TEST_COMMAND,
+      PASS_TO_PASS=list(inst.pass_to_pass), test_command=TEST_COMMAND, grader="values",
       source={"kind": "synthetic", "template": inst.template, "edit_order": list(inst.edit_order),
               **inst.params},
       test_files=sorted(protected), hidden_tests=sorted(inst.hidden), gold_files=sorted(inst.gold),
@@ -152,6 +154,8 @@ def write_task(inst: T.Instance, task_dir: str, limits: dict | None = None) -> T
       difficulty={"level": inst.difficulty, "kind": inst.template, "files_changed": len(inst.gold),
                   "lines_changed": _lines_changed(inst)},
       created_by="composer_jax.env.synthetic")
+  for rel, text in {**inst.tests, **inst.hidden}.items():  # graded by values: every check must move
+    split_checks(text, rel)
   with tempfile.TemporaryDirectory(prefix="cj-syn-") as tmp:
     for rel, text in {**inst.files, **inst.tests, RUNNER_PATH: RUNNER_SOURCE}.items():
       write_text(os.path.join(tmp, rel), text)

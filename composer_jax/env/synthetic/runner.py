@@ -12,8 +12,10 @@ A test module that cannot be imported (a syntax error in the code under test) re
 ``test_*`` functions (found with ``ast``) as an error, so per-test results survive. The report path
 is taken off ``sys.argv`` before any code under test is imported, the XML is written only after
 every test ran (a process that exits early leaves no report, which grades 0) and each test has a
-wall-clock alarm. Code under test runs in this process, so, as with pytest's conftest hooks, a
-deliberate forgery is possible; the trajectory monitor (``guards.py``) flags the known forms.
+wall-clock alarm. Code under test runs in this process, so, as with pytest's conftest hooks, it can
+forge this report (``tests/env/test_oracle.py`` does). That is why the grader does not read it: the
+synthetic tasks are graded by values (``Task.grader = "values"``, ``env/oracle.py``), and this runner
+is what the agent runs to see its failures.
 """
 
 from __future__ import annotations
