@@ -117,11 +117,10 @@ def run_value_checks(task: Task, root: str, limits: Limits,
   Returns (outcomes by node id, output tail, whether the probe wrote its values)."""
   expected = {}
   files = value_check_files(task)
-  for rel in files:
-    path = os.path.join(root, rel)
-    with open(path, encoding="utf-8") as f:
+  for rel in files:  # from the task store, not the copy: nothing the agent wrote is read here
+    with open(os.path.join(task.protected_dir, rel), encoding="utf-8") as f:
       text, expected[rel] = oracle.split_checks(f.read(), rel)
-    with open(path, "w", encoding="utf-8") as f:
+    with open(os.path.join(root, rel), "w", encoding="utf-8") as f:
       f.write(text)
   with tempfile.TemporaryDirectory(prefix="cj-values-") as rep:
     probe, out = os.path.join(rep, "probe.py"), os.path.join(rep, "values.json")
