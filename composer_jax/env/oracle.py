@@ -4,9 +4,9 @@ grader decides whether that is right.
 A test run that imports the code under test runs that code in its own process, and that code can do
 anything the runner can: write a report that says "passed" (the runner's report path is a frame
 away), exit before the asserts, or read the hidden tests beside it and return their expected values.
-``runner.py``'s grading could be forged in five lines that the trajectory monitor does not match
-(``tests/env/test_oracle.py``). So for tasks whose tests are value checks, the grader never sends
-an expected value or a verdict through the sandbox:
+``runner.py``'s report could be forged in about fifteen lines that the trajectory monitor does not
+match (``tests/env/test_oracle.py``). So for tasks whose tests are value checks, the grader never
+sends an expected value or a verdict through the sandbox:
 
 - ``split_checks`` rewrites each protected test file on the host: every ``check(E, V)``,
   ``assert E == V`` and ``assert E`` becomes ``__cj_probe__(i, E)``, and the expected value V (a
@@ -42,7 +42,7 @@ class NotValueChecks(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Expected:
-  index: int  # the probe's number in its file
+  index: int  # the probe's number in its test function
   want: object
   strict: bool  # check(): the type must match too
 
