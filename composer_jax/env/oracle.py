@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import json
 
 PROBE = "__cj_probe__"
@@ -95,8 +96,8 @@ def split_checks(source: str, file: str = "<test>") -> tuple[str, dict[str, list
   """``source`` with its checks turned into probes, and each test's expected values in order."""
   rw = _Rewrite(file)
   tree = rw.visit(ast.parse(source))
-  if not rw.expected or not any(rw.expected.values()):
-    raise NotValueChecks(f"{file}: no test function with a value check")
+  if not rw.expected:
+    raise NotValueChecks(f"{file}: no test function")
   empty = [t for t, e in rw.expected.items() if not e]
   if empty:
     raise NotValueChecks(f"{file}::{empty[0]}: a test with no check cannot be graded by values")
@@ -136,9 +137,6 @@ class _Other:
 
   def __eq__(self, other):
     return False
-
-  def __ne__(self, other):
-    return True
 
   __hash__ = object.__hash__
 
@@ -248,7 +246,7 @@ def _alarm(signum, frame):
     raise TestTimeout("test took too long")
 
 
-''' + "\n".join(__import__("inspect").getsource(encode).splitlines()) + r'''
+''' + inspect.getsource(encode) + r'''
 
 
 def main():
