@@ -308,9 +308,13 @@ class RunConfig:
   # SFT tasks the policy recalls memorised solutions, and RL's reward then pays for recall, not for
   # skills that carry to held-out tasks (docs/rl.md). 0: RL reuses the SFT tasks.
   rl_tasks: int = 200
-  # A share of the training tasks that also get a recovery run (env/expert.py): a flawed edit, the
-  # failing tests, the fix. SFT learns to act on a failing test run and not to submit regardless.
+  # A share of the training tasks whose expert run is a recovery run instead of a sound one
+  # (env/expert.py): a flawed edit (not trained on), the failing tests, the fix. SFT learns to act
+  # on a failing test run and not to submit regardless.
   expert_recover: float = 0.0
+  # How a recovery run repairs its flaw: "fix" edits the flawed lines into the reference; "redo"
+  # undoes the flawed file's edits and repeats its sound edits (the first try's calls, done right).
+  expert_recover_by: Literal["fix", "redo"] = "fix"
   task_seed: int = 1
   # A base model the pretraining stage continues from (an HF folder, a `convert --from-hf` folder
   # or a training run; its tokenizer.json when it has one), as Composer continues from Kimi K2.

@@ -139,7 +139,8 @@ class Recipe:
     tok = load_tokenizer(self.path("pretrain", "tokenizer.json"))
     rep = expert_trajectories(load_tasks(self.path("tasks", "train")), self.path("sft", "trajectories.jsonl"),
                               tokenizer=tok, tool_docs=self.cfg.env.tool_docs, mode=self.cfg.env.sandbox,
-                              recover=self.cfg.run.expert_recover, log=self.log)
+                              recover=self.cfg.run.expert_recover,
+                              recover_by=self.cfg.run.expert_recover_by, log=self.log)
     if not rep["kept"]:
       raise RuntimeError("the scripted expert solved no training task: check the sandbox (bubblewrap)")
     return {"kept": rep["kept"], "recovered": rep["recovered"], "tasks": rep["tasks"], **rep["summary"]}

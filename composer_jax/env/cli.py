@@ -72,8 +72,12 @@ def register(subparsers) -> None:
                    help="also write N failing runs per task with one edit made wrong (marked "
                         "\"flawed\": true): SFT data that leaves RL something to fix")
   exp.add_argument("--recover", type=float, default=0.0,
-                   help="also write, for this share of the tasks, a run that fixes a flawed edit after "
-                        "its failing test run (marked \"recovered\": true; the flawed turn untrained)")
+                   help="for this share of the tasks, write instead of the sound run one that fixes a "
+                        "flawed edit after its failing test run (marked \"recovered\": true; the "
+                        "flawed turn untrained)")
+  exp.add_argument("--recover-by", choices=("fix", "redo"), default="fix",
+                   help="a recovery run's repair: edit the flawed lines (fix), or undo the flawed "
+                        "file's edits and make its sound edits again (redo)")
   exp.add_argument("--seed", type=int, default=0, help="draws the flaws")
   _common(exp)
   exp.set_defaults(func=_tasks_expert)
@@ -200,7 +204,8 @@ def _tasks_expert(args) -> int:
     raise ConfigError(f"--recover {args.recover}: give a share of the tasks in [0, 1]")
   rep = expert_trajectories(tasks, args.out, tokenizer=tok, run_tests=not args.no_run_tests,
                             tool_docs=env.tool_docs, mode=env.sandbox, flawed=args.flawed,
-                            recover=args.recover, seed=args.seed, log=lambda m: print(m, file=sys.stderr))
+                            recover=args.recover, recover_by=args.recover_by, seed=args.seed,
+                            log=lambda m: print(m, file=sys.stderr))
   stats = args.out + ".stats.json"
   with open(stats, "w") as f:
     json.dump(rep, f, indent=1)

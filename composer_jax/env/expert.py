@@ -16,7 +16,7 @@ one edit changed (``flaw``), graded by the same grader and kept only when it fai
 sound and flawed demonstrations gives a policy that makes the right edit only some of the time,
 which is what RL is for: the reward tells the two apart and nothing else does (docs/rl.md).
 
-``recover`` (a share of the tasks) also writes *recovery* runs: the flawed plan, the failing test
+``recover`` (a share of the tasks) writes *recovery* runs in place of their sound runs: the flawed plan, the failing test
 run, then the fix of the flawed lines (``edit_calls`` from the flawed file to the reference), the
 tests again and submit. The flawed edit's turn is marked ``"train": false`` (``chat.render_segments``
 leaves it out of the loss), so SFT teaches what to do after a failing test and never the flaw. The
@@ -38,6 +38,9 @@ from composer_jax.env.synthetic.runner import RUNNER_PATH
 from composer_jax.env.tasks import Task, read_text
 
 TEST_COMMAND = f"python {RUNNER_PATH}"
+# How a recovery run repairs the flaw: "fix" edits the flawed lines into the reference; "redo" undoes
+# the flawed file's edits and makes its sound edits again (the same calls as the first, correct try).
+RECOVER_BY = ("fix", "redo")
 
 
 def edit_calls(before: str, after: str) -> list[tuple[str, dict]]:
@@ -104,12 +107,15 @@ class ExpertPolicy:
   name = "expert"
 
   def __init__(self, run_tests: bool = True, flaw_rng: random.Random | None = None,
-               recover: bool = False):
+               recover: bool = False, recover_by: str = "fix"):
     if recover and not (run_tests and flaw_rng is not None):
       raise ValueError("recover needs run_tests and a flaw_rng: it fixes a flaw that a test run showed")
+    if recover_by not in RECOVER_BY:
+      raise ValueError(f"recover_by={recover_by!r}: one of {', '.join(RECOVER_BY)}")
     self.run_tests = run_tests
     self.flaw_rng = flaw_rng
     self.recover = recover
+    self.recover_by = recover_by
     self.plan: list[str] = []
     self.flawed = False
     self.flawed_turn: int | None = None
@@ -135,7 +141,10 @@ class ExpertPolicy:
           plans[i][1][j] = (tool, {**args, key: bad})
           self.flawed, self.flawed_turn = True, 2 * i + 1
           before, after = texts[i]
-          fixed = (plans[i][0], edit_calls(apply_calls(before, plans[i][1]), after))
+          if self.recover_by == "redo":  # undo the file's edits, then the sound plan once more
+            fixed = (plans[i][0], [("undo", {})] * len(plans[i][1]) + edit_calls(before, after))
+          else:
+            fixed = (plans[i][0], edit_calls(apply_calls(before, plans[i][1]), after))
           break
     for rel, edits in plans:
       turns.append(format_call("view", {"path": rel}))
@@ -167,13 +176,15 @@ def count_tokens(messages: list[dict], tokenizer) -> dict:
 
 def expert_trajectories(tasks: list[Task], out_path: str, tokenizer=None, run_tests: bool = True,
                         tool_docs: str = "full", mode: str = "auto", flawed: int = 0, seed: int = 0,
-                        recover: float = 0.0, log=print) -> dict:
+                        recover: float = 0.0, recover_by: str = "fix", log=print) -> dict:
   """Run the expert on ``tasks``; write the 1.0-graded trajectories as ``{"messages": ...}`` lines,
-  then ``flawed`` failing flawed runs per task (marked ``"flawed": true``, with their reward), and
-  for a ``recover`` share of the tasks (drawn by ``seed``) one recovery run (``"recovered": true``)."""
+  then ``flawed`` failing flawed runs per task (marked ``"flawed": true``, with their reward). For a
+  ``recover`` share of the solved tasks (drawn by ``seed``) the written run is a recovery run
+  (``"recovered": true``) in place of the sound one; ``kept`` counts both kinds."""
   sound = ExpertPolicy(run_tests)
   bad = ExpertPolicy(run_tests, flaw_rng=random.Random(seed))
-  fixer = ExpertPolicy(run_tests, flaw_rng=random.Random(seed + 1), recover=True) if recover else None
+  fixer = (ExpertPolicy(run_tests, flaw_rng=random.Random(seed + 1), recover=True,
+                        recover_by=recover_by) if recover else None)
   pick = random.Random(seed + 2)
   stats, kept, kept_flawed, kept_recovered = [], 0, 0, 0
   os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
@@ -191,7 +202,17 @@ def expert_trajectories(tasks: list[Task], out_path: str, tokenizer=None, run_te
       if tokenizer is not None:
         st.update(count_tokens(traj.messages, tokenizer))
       stats.append(st)
-      if traj.reward == 1.0:
+      # A task drawn for recovery keeps its recovery run instead of the sound one, so the chat
+      # count (and with it how often SFT sees each chat) does not grow with ``recover``.
+      msgs = None
+      if traj.reward == 1.0 and fixer is not None and pick.random() < recover:
+        msgs = _recovery_run(task, fixer, mode, max_turns, tool_docs)
+      if msgs is not None:
+        kept += 1
+        kept_recovered += 1
+        stats.append({**rec, "recovered": True, "reward": 1.0, "turns": len(msgs)})
+        f.write(json.dumps({"messages": msgs, **rec, "recovered": True}) + "\n")
+      elif traj.reward == 1.0:
         kept += 1
         f.write(json.dumps({"messages": traj.messages, **rec}) + "\n")
       else:
@@ -209,12 +230,6 @@ def expert_trajectories(tasks: list[Task], out_path: str, tokenizer=None, run_te
           stats.append({**rec, "flawed": True, "reward": traj.reward, "turns": traj.turns})
           f.write(json.dumps({"messages": traj.messages, **rec, "flawed": True,
                               "reward": traj.reward}) + "\n")
-      if fixer is not None and pick.random() < recover:
-        msgs = _recovery_run(task, fixer, mode, max_turns, tool_docs)
-        if msgs is not None:
-          kept_recovered += 1
-          stats.append({**rec, "recovered": True, "reward": 1.0, "turns": len(msgs)})
-          f.write(json.dumps({"messages": msgs, **rec, "recovered": True}) + "\n")
   sound_stats = [s for s in stats if not s.get("flawed") and not s.get("recovered")]
   return {"tasks": len(tasks), "kept": kept, "flawed": kept_flawed, "recovered": kept_recovered,
           "out": out_path, "summary": summarize(sound_stats), "trajectories": stats}

@@ -104,10 +104,14 @@ def test_recovery_runs_fix_the_flaw_a_failing_test_showed_and_train_only_the_fix
     if rep["recovered"]:
       break
   recs = [json.loads(line) for line in out.read_text().splitlines()]
-  assert rep["kept"] == 1 and rep["recovered"] == 1 and recs[1]["recovered"]
-  msgs = recs[1]["messages"]
+  # The recovery run takes the sound run's place: one chat per task whatever the share.
+  assert rep["kept"] == 1 and rep["recovered"] == 1 and len(recs) == 1 and recs[0]["recovered"]
+  msgs = recs[0]["messages"]
   asst = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-  sound = [m["content"] for m in recs[0]["messages"] if m["role"] == "assistant"]
+  expert_trajectories([task], str(tmp_path / "sound.jsonl"), tool_docs="brief", log=lambda m: None)
+  sound_run = json.loads((tmp_path / "sound.jsonl").read_text())
+  assert "recovered" not in sound_run
+  sound = [m["content"] for m in sound_run["messages"] if m["role"] == "assistant"]
   n_files = len(task.source["edit_order"])
   assert len(asst) == len(sound) + 2  # the fix and a second test run
   untrained = [i for i in asst if msgs[i].get("train") is False]
@@ -135,11 +139,42 @@ def test_recovery_runs_fix_the_flaw_a_failing_test_showed_and_train_only_the_fix
   assert full.sum() - mask.sum() == flawed_tokens > 0
 
 
+@pytest.mark.parametrize("name,level", LEVELS)
+def test_redo_recovery_undoes_the_flawed_file_and_repeats_its_sound_edits(level_tasks, tmp_path,
+                                                                          name, level):
+  """``recover_by="redo"``: after the failing run, one turn undoes every edit the flawed turn made
+  to its file and makes that file's sound edits again, the same calls as the sound run's; the
+  tests then pass (``_recovery_run`` keeps only runs graded 1.0) and the flawed turn is untrained."""
+  task = level_tasks[(name, level)]
+  expert_trajectories([task], str(tmp_path / "sound.jsonl"), tool_docs="brief", log=lambda m: None)
+  sound = [m["content"] for m in json.loads((tmp_path / "sound.jsonl").read_text())["messages"]
+           if m["role"] == "assistant"]
+  for seed in range(6):  # a draw can flaw a line the visible tests do not pin down: none is kept
+    rep = expert_trajectories([task], str(tmp_path / "r.jsonl"), tool_docs="brief", recover=1.0,
+                              recover_by="redo", seed=seed, log=lambda m: None)
+    if rep["recovered"]:
+      break
+  assert rep["recovered"] == 1, f"no flaw of {task.instance_id} showed in 6 draws"
+  msgs = json.loads((tmp_path / "r.jsonl").read_text())["messages"]
+  asst = [m for m in msgs if m["role"] == "assistant"]
+  flawed = next(i for i, m in enumerate(asst) if m.get("train") is False)
+  assert asst[:flawed] == [{"role": "assistant", "content": c} for c in sound[:flawed]]
+  redo = parse(asst[-3]["content"], SPECS).calls
+  n_undo = len(parse(asst[flawed]["content"], SPECS).calls)
+  assert [c.name for c in redo[:n_undo]] == ["undo"] * n_undo and n_undo >= 1
+  rel = redo[0].args["path"]
+  assert all(c.args["path"] == rel for c in redo)
+  assert redo[n_undo:] == parse(sound[flawed], SPECS).calls  # the sound run's edit turn, again
+  assert "[exit code 0]" in msgs[-3]["content"] and len(asst) == len(sound) + 2
+
+
 def test_recovery_needs_a_flaw_and_test_runs():
   with pytest.raises(ValueError, match="recover"):
     ExpertPolicy(run_tests=False, flaw_rng=random.Random(0), recover=True)
   with pytest.raises(ValueError, match="recover"):
     ExpertPolicy(recover=True)
+  with pytest.raises(ValueError, match="recover_by"):
+    ExpertPolicy(flaw_rng=random.Random(0), recover=True, recover_by="retry")
 
 
 @pytest.fixture(scope="module")
