@@ -16,12 +16,15 @@ one edit changed (``flaw``), graded by the same grader and kept only when it fai
 sound and flawed demonstrations gives a policy that makes the right edit only some of the time,
 which is what RL is for: the reward tells the two apart and nothing else does (docs/rl.md).
 
-``recover`` (a share of the tasks) writes *recovery* runs in place of their sound runs: the flawed plan, the failing test
-run, then the fix of the flawed lines (``edit_calls`` from the flawed file to the reference), the
-tests again and submit. The flawed edit's turn is marked ``"train": false`` (``chat.render_segments``
-leaves it out of the loss), so SFT teaches what to do after a failing test and never the flaw. The
-plain expert passes its tests at once, and a policy trained only on it submitted after a failing
-run every time (docs/rl.md, "Recovery runs").
+``recover`` (a share of the tasks) writes *recovery* runs in place of their sound runs: the flawed
+plan, the failing test run, then the repair, the tests again and submit. The repair (``recover_by``)
+is the fix of the flawed lines (``edit_calls`` from the flawed file to the reference), or with
+"redo" an ``undo`` of each of the flawed file's edits and that file's sound edits once more. The
+flawed edit's turn is marked ``"train": false`` (``chat.render_segments`` leaves it out of the
+loss), so SFT teaches what to do after a failing test and never the flaw. The plain expert passes
+its tests at once, and a policy trained only on it submitted after a failing run every time
+(docs/rl.md, "Recovery runs"). With recovery runs the tiny policy retries, but its retries almost
+never succeed (docs/rl.md, "Recovery runs again"), so the tiny config leaves them off.
 """
 
 from __future__ import annotations
