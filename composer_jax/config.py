@@ -208,6 +208,10 @@ class RLConfig:
   # Local Ray only: object store size in MiB, its pages faulted in at start (0 = Ray's default size,
   # pages faulted in by the puts themselves: a 64 MiB weight put then costs ~4-8 memcpys, not ~1.7).
   object_store_mb: int = 0
+  # Local Ray only: the last N cores of the machine for the rollout workers and their sandboxes, the
+  # rest for the learner, each pinned there (rl/cpus.py); 0 = every process on every core. On 2
+  # cores the RL stage took -9 % and +11 % in two pairs of runs (docs/rl.md): not a gain there.
+  worker_cpus: int = 0
   weight_delta: bool = True  # broadcast XOR deltas between full copies (rl/weights.py)
   full_sync_every: int = 10  # a full weight copy every N versions
   # Sampling.

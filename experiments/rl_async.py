@@ -4,7 +4,10 @@ run by the synchronous loop and by the asynchronous loop (Ray workers, rl.max_st
 async / sync speed (sync wall / async wall), the learner's idle fraction (waiting for rollouts), the
 rollout workers' idle fraction and rollout tokens/s.
 
-  python experiments/rl_async.py [--steps 4] [--workers 1] [--staleness 1] [--note "..."]
+  python experiments/rl_async.py [--steps 4] [--workers 1] [--staleness 1] [--worker-cpus 1] [--note "..."]
+
+``--worker-cpus N`` times the async loop a second time with its workers pinned to N cores and the
+learner to the rest (``rl.worker_cpus``), against the same sync run, and writes ``..._pinned.json``.
 
 With ``--run DIR`` (a `composer-jax run` directory) it times the main job's RL instead: DIR's SFT
 policy, DIR's RL tasks and DIR's config with its ``run.rl_overrides``, but without dynamic sampling
@@ -56,6 +59,11 @@ def _world(root: str) -> tuple[str, str]:
   return init, tasks
 
 
+def cfg_episodes(make) -> int:
+  rl = make([]).rl
+  return rl.tasks_per_step * rl.group_size
+
+
 def _timed(run, steps: int) -> tuple[float, list[dict]]:
   run.step(1)  # warm-up: compiles the engine and the train step
   t0 = time.perf_counter()
@@ -73,6 +81,8 @@ def main(argv=None) -> int:
   ap.add_argument("--tasks-per-step", type=int, default=2)
   ap.add_argument("--workers", type=int, default=1)
   ap.add_argument("--staleness", type=int, default=1)
+  ap.add_argument("--worker-cpus", type=int, default=0,
+                  help="rl.worker_cpus of the async run: workers and learner on cores of their own")
   ap.add_argument("--note", default="")
   ap.add_argument("--run", default="", help="time the RL stage of this `composer-jax run` directory")
   a = ap.parse_args(argv)
@@ -97,46 +107,48 @@ def main(argv=None) -> int:
   sync = RLRun(make(["rl.async=false"]), os.path.join(root, "sync"), init=init, log=quiet)
   sync_s, sync_recs = _timed(sync, a.steps)
   sync.rollout_file.close()
-  cfg = make(["rl.async=true", f"rl.num_workers={a.workers}", f"rl.max_staleness={a.staleness}"])
-  episodes = cfg.rl.tasks_per_step * cfg.rl.group_size
-  run = AsyncRLRun(cfg, os.path.join(root, "async"), init=init, log=quiet)
-  try:
-    async_s, async_recs = _timed(run, a.steps)
-  finally:
-    run.orch.shutdown()
-  sync_tok = sum(r["completion_tokens_mean"] * episodes for r in sync_recs)
-  async_tok = sum(r["completion_tokens_mean"] * episodes for r in async_recs)
-  res = {
-      "run": a.run or None, "steps": a.steps, "tasks_per_step": cfg.rl.tasks_per_step,
-      "group_size": cfg.rl.group_size, "epochs": cfg.rl.epochs, "workers": a.workers,
-      "max_staleness": a.staleness, "sync_wall_s": sync_s, "async_wall_s": async_s,
-      "speedup": sync_s / async_s, "goal": ">= 1.3",
-      # Without the first timed step: the sync engine's first rollout after a weight update
-      # recompiles (trainer-placed params), which the workers' host-copied weights never trigger.
-      "speedup_steady": (sum(r["wall_s"] for r in sync_recs[1:])
-                         / max(sum(r["wall_s"] for r in async_recs[1:]), 1e-9)),
-      "sync": {"rollout_s_frac": float(np.sum([r["rollout_s"] for r in sync_recs]) / sync_s),
-               "learn_s_frac": float(np.sum([r["learn_s"] for r in sync_recs]) / sync_s),
-               "trained_tokens_per_s": sync_tok / sync_s},
-      "async": {"learner_idle_frac": float(np.mean([r["learner_idle_frac"] for r in async_recs])),
-                "rollout_idle_frac": float(async_recs[-1]["rollout_idle_frac"]),
-                "rollout_tokens_per_s": float(np.mean([r["rollout_tokens_per_s"] for r in async_recs])),
-                "trained_tokens_per_s": async_tok / async_s,
-                "staleness_mean": float(np.mean([r["staleness_mean"] for r in async_recs])),
-                "dropped_stale": int(async_recs[-1]["dropped_stale"])},
-      "per_step": {"sync_wall_s": [round(r["wall_s"], 2) for r in sync_recs],
-                   "async_wall_s": [round(r["wall_s"], 2) for r in async_recs],
-                   "sync_rollout_s": [round(r["rollout_s"], 2) for r in sync_recs],
-                   "sync_learn_s": [round(r["learn_s"], 2) for r in sync_recs],
-                   "async_wait_s": [round(r["rollout_s"], 2) for r in async_recs],
-                   "async_learn_s": [round(r["learn_s"], 2) for r in async_recs]},
-      "note": a.note,
-  }
-  print(f"sync {sync_s:.1f} s, async {async_s:.1f} s -> {res['speedup']:.2f}x "
-        f"(steady {res['speedup_steady']:.2f}x); learner idle "
-        f"{res['async']['learner_idle_frac']:.2f}, rollout idle {res['async']['rollout_idle_frac']:.2f}, "
-        f"rollout {res['async']['rollout_tokens_per_s']:.1f} tok/s")
-  write_result("rl_async_main_job" if a.run else "rl_async", res)
+  sync_tok = sum(r["completion_tokens_mean"] * cfg_episodes(make) for r in sync_recs)
+  res = {"run": a.run or None, "steps": a.steps, "workers": a.workers, "max_staleness": a.staleness,
+         "goal": ">= 1.3", "sync_wall_s": sync_s,
+         "sync": {"rollout_s_frac": float(np.sum([r["rollout_s"] for r in sync_recs]) / sync_s),
+                  "learn_s_frac": float(np.sum([r["learn_s"] for r in sync_recs]) / sync_s),
+                  "trained_tokens_per_s": sync_tok / sync_s,
+                  "wall_s": [round(r["wall_s"], 2) for r in sync_recs],
+                  "rollout_s": [round(r["rollout_s"], 2) for r in sync_recs],
+                  "learn_s": [round(r["learn_s"], 2) for r in sync_recs]},
+         "note": a.note}
+  # The same async run with every process on every core, then (--worker-cpus N) pinned apart.
+  for pin in [0] + ([a.worker_cpus] if a.worker_cpus else []):
+    cfg = make(["rl.async=true", f"rl.num_workers={a.workers}", f"rl.max_staleness={a.staleness}",
+                f"rl.worker_cpus={pin}"])
+    run = AsyncRLRun(cfg, os.path.join(root, f"async{pin}"), init=init, log=quiet)
+    try:
+      async_s, recs = _timed(run, a.steps)
+    finally:
+      run.orch.shutdown()
+    res.update(tasks_per_step=cfg.rl.tasks_per_step, group_size=cfg.rl.group_size, epochs=cfg.rl.epochs)
+    key = "async" if not pin else f"async_worker_cpus_{pin}"
+    res[key] = {
+        "wall_s": async_s, "speedup": sync_s / async_s,
+        # Without the first timed step: the sync engine's first rollout after a weight update
+        # recompiles (trainer-placed params), which the workers' host-copied weights never trigger.
+        "speedup_steady": (sum(r["wall_s"] for r in sync_recs[1:])
+                           / max(sum(r["wall_s"] for r in recs[1:]), 1e-9)),
+        "learner_idle_frac": float(np.mean([r["learner_idle_frac"] for r in recs])),
+        "rollout_idle_frac": float(recs[-1]["rollout_idle_frac"]),
+        "rollout_tokens_per_s": float(np.mean([r["rollout_tokens_per_s"] for r in recs])),
+        "trained_tokens_per_s": sum(r["completion_tokens_mean"] for r in recs) * cfg_episodes(make) / async_s,
+        "staleness_mean": float(np.mean([r["staleness_mean"] for r in recs])),
+        "dropped_stale": int(recs[-1]["dropped_stale"]),
+        "step_wall_s": [round(r["wall_s"], 2) for r in recs],
+        "wait_s": [round(r["rollout_s"], 2) for r in recs],
+        "learn_s": [round(r["learn_s"], 2) for r in recs]}
+    r = res[key]
+    print(f"{key}: sync {sync_s:.1f} s, async {async_s:.1f} s -> {r['speedup']:.2f}x "
+          f"(steady {r['speedup_steady']:.2f}x); learner idle {r['learner_idle_frac']:.2f}, rollout idle "
+          f"{r['rollout_idle_frac']:.2f}, rollout {r['rollout_tokens_per_s']:.1f} tok/s")
+  res["speedup"] = res["async"]["speedup"]
+  write_result(("rl_async_main_job" if a.run else "rl_async") + ("_pinned" if a.worker_cpus else ""), res)
   return 0
 
 

@@ -31,6 +31,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import threading
 
 PROBE = "__cj_probe__"
 MAX_RESULT_BYTES = 1 << 20  # the values file is read back only up to this size
@@ -92,10 +93,18 @@ class _Rewrite(ast.NodeTransformer):
     return self._probe(t, True, False, node)
 
 
+# CPython 3.11's ast.parse keeps its recursion depth in interpreter-wide state: two threads parsing
+# at once can fail with "SystemError: AST constructor recursion depth mismatch" (gh-106905). The
+# rollout workers grade episodes in a thread pool, and one such error ended an RL run.
+_PARSE_LOCK = threading.Lock()
+
+
 def split_checks(source: str, file: str = "<test>") -> tuple[str, dict[str, list[Expected]]]:
   """``source`` with its checks turned into probes, and each test's expected values in order."""
   rw = _Rewrite(file)
-  tree = rw.visit(ast.parse(source))
+  with _PARSE_LOCK:
+    parsed = ast.parse(source)
+  tree = rw.visit(parsed)
   if not rw.expected:
     raise NotValueChecks(f"{file}: no test function")
   empty = [t for t, e in rw.expected.items() if not e]

@@ -23,6 +23,7 @@ import threading
 import time
 
 from composer_jax.config import Config
+from composer_jax.rl.cpus import pin_process, split
 
 # --------------------------------------------------------------------------------------------------
 # The ledger (pure; no Ray)
@@ -96,7 +97,9 @@ def _swap_engine_class():
 class RolloutWorker:
   """A sampler + environment pool. Built inside the actor from the learner's resolved config."""
 
-  def __init__(self, cfg_dict: dict, tok_path: str, worker_id: int, seed: int):
+  def __init__(self, cfg_dict: dict, tok_path: str, worker_id: int, seed: int, cpus=None):
+    if cpus:  # before XLA starts its thread pool, which then sizes itself to these cores
+      pin_process(set(cpus))
     import jax
     import ray
     from flax import nnx
@@ -195,6 +198,9 @@ class RolloutWorker:
 # --------------------------------------------------------------------------------------------------
 
 
+MAX_UNIT_ERRORS = 3  # units that raise (not worker deaths) before the run stops on the error
+
+
 def _local_ray(rl) -> dict:
   """ray.init arguments of a local Ray. A sized object store is preallocated: a weight broadcast then
   writes into pages already mapped (experiments/rl_broadcast.py: a 64 MiB put 9.4 ms vs 43 ms)."""
@@ -236,11 +242,16 @@ class Orchestrator:
     self.actor_cls = ray.remote(num_cpus=1, max_restarts=0, concurrency_groups={"weights": 1, "rollouts": 1})(
         worker_cls or RolloutWorker).options(runtime_env=_runtime_env())
     self.publisher = Publisher(rl.full_sync_every, rl.weight_delta, put=ray.put)
+    # rl.worker_cpus: on a Ray of our own, the learner (this process) and the workers on their own cores.
+    self.cpus = split(rl.worker_cpus) if self.own_ray and not rl.ray_address else None
+    self.driver_cpus = pin_process(self.cpus[0]) if self.cpus else None
+    if self.cpus:
+      log(f"[rl] learner on cores {sorted(self.cpus[0])}, rollout workers on {sorted(self.cpus[1])}")
     self.cfg_dict = cfg.to_dict()
     self.workers: dict[int, object] = {}
     self.inflight: dict[object, tuple[int, list]] = {}  # ref -> (worker id, unit)
     self.spawned = 0
-    self.counts = collections.Counter(worker_deaths=0, requeued=0)
+    self.counts = collections.Counter(worker_deaths=0, unit_errors=0, requeued=0)
     self.broadcast_s = 0.0
     for _ in range(rl.num_workers):
       self._spawn()
@@ -249,7 +260,8 @@ class Orchestrator:
     wid = self.spawned
     self.spawned += 1
     seed = self.cfg.rl.seed * 1000 + 17 + wid
-    self.workers[wid] = self.actor_cls.remote(self.cfg_dict, self.tok_path, wid, seed)
+    self.workers[wid] = self.actor_cls.remote(self.cfg_dict, self.tok_path, wid, seed,
+                                              **({"cpus": sorted(self.cpus[1])} if self.cpus else {}))
     if self.publisher.chain:
       self._push(self.workers[wid])
     return wid
@@ -281,7 +293,9 @@ class Orchestrator:
             for wid, w in self.workers.items()}
 
   def wait(self, timeout: float) -> tuple[list[dict], list[list]]:
-    """(results of finished units, units lost with a dead worker); a dead worker is replaced."""
+    """(results of finished units, units lost with their worker). A worker that died, or whose unit
+    raised, is replaced and everything it held is lost (to be re-queued); after MAX_UNIT_ERRORS
+    raising units the error is raised here, as a bug that repeats would only burn the run."""
     import ray
     if not self.inflight:
       return [], []
@@ -294,17 +308,27 @@ class Orchestrator:
       try:
         results.append(ray.get(ref))
       except ray.exceptions.RayActorError as e:
-        lost.append(unit)
-        if wid in self.workers:  # every unit queued on it is lost too; replace it once
-          for r in [r for r, (w, _) in self.inflight.items() if w == wid]:
-            lost.append(self.inflight.pop(r)[1])
-          del self.workers[wid]
-          self.counts["worker_deaths"] += 1
-          new = self._spawn()
-          self.log(f"[rl] rollout worker {wid} died ({type(e).__name__}); "
-                   f"{len(lost)} unit(s) re-queued; worker {new} replaces it")
+        self.counts["worker_deaths"] += 1
+        lost += self._replace(wid, unit, f"died ({type(e).__name__})")
+      except ray.exceptions.RayTaskError as e:
+        self.counts["unit_errors"] += 1
+        if self.counts["unit_errors"] > MAX_UNIT_ERRORS:
+          raise
+        # Killed, not reused: its engine may still hold the failed unit's cache slots.
+        lost += self._replace(wid, unit, "raised " + str(e).strip().splitlines()[-1][:200])
     self.counts["requeued"] += sum(len(u) for u in lost)
     return results, lost
+
+  def _replace(self, wid: int, unit: list, why: str) -> list[list]:
+    """Units lost with worker ``wid`` (``unit`` and any queued behind it); a new worker replaces it."""
+    import ray
+    lost = [unit]
+    if wid in self.workers:  # once per worker, however many of its units come back failed
+      lost += [self.inflight.pop(r)[1] for r, (w, _) in list(self.inflight.items()) if w == wid]
+      ray.kill(self.workers.pop(wid))
+      new = self._spawn()
+      self.log(f"[rl] rollout worker {wid} {why}; {len(lost)} unit(s) re-queued; worker {new} replaces it")
+    return lost
 
   def shutdown(self) -> None:
     import ray
@@ -313,3 +337,6 @@ class Orchestrator:
     self.workers, self.inflight = {}, {}
     if self.own_ray:
       ray.shutdown()
+    if self.driver_cpus:  # the stages after RL (evaluation) get every core back
+      pin_process(self.driver_cpus)
+      self.driver_cpus = None

@@ -267,3 +267,32 @@ def test_task_grader_field_is_checked():
   assert task_from_json({**base, "grader": "values"}).grader == "values"
   with pytest.raises(TaskError, match="grader='pytest'; use 'junit' or 'values'"):
     task_from_json({**base, "grader": "pytest"})
+
+
+def test_split_checks_never_parses_in_two_threads_at_once(monkeypatch):
+  """The rollout workers grade in a thread pool, and CPython 3.11's ast.parse is not safe to run in
+  two threads at once (gh-106905: one RL run ended on its SystemError). split_checks serializes it."""
+  import threading
+  import time
+  inside, most, guard = [0], [0], threading.Lock()
+  real = ast.parse
+
+  def slow_parse(*a, **kw):
+    with guard:
+      inside[0] += 1
+      most[0] = max(most[0], inside[0])
+    time.sleep(0.01)  # long enough for the other threads to arrive
+    with guard:
+      inside[0] -= 1
+    return real(*a, **kw)
+
+  monkeypatch.setattr(oracle.ast, "parse", slow_parse)
+  src = "def test_a():\n    assert f(1) == 2\n"
+  out = []
+  threads = [threading.Thread(target=lambda: out.append(oracle.split_checks(src))) for _ in range(6)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert len(out) == 6 and most[0] == 1
+  assert all(o == out[0] for o in out)

@@ -152,6 +152,59 @@ def test_orchestrator_requeues_and_replaces_a_killed_worker(tmp_path):
     ray.shutdown()
 
 
+class PoisonWorker(SleepWorker):
+  """Raises on any unit that holds task 99 (as a grading bug would), plays the rest."""
+
+  def run(self, unit):
+    if any(task == 99 for _, task in unit):
+      raise SystemError("AST constructor recursion depth mismatch (before=30, after=27)")
+    return super().run(unit)
+
+
+def test_a_unit_that_raises_is_requeued_on_a_new_worker_and_a_repeating_error_stops_the_run():
+  """A unit whose worker raised (not died) comes back lost; that worker is killed and replaced (its
+  engine may hold the unit's slots) and the run goes on. The fourth raising unit is raised to the
+  caller: an error that repeats is a bug, and re-queuing it forever would burn the run."""
+  ray = pytest.importorskip("ray")
+  import jax.numpy as jnp
+
+  from composer_jax.rl.orchestrator import MAX_UNIT_ERRORS, Orchestrator
+  cfg = load_config(None, ["rl.num_workers=1", "rl.async=true"])
+  ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, num_cpus=2,
+           runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+  try:
+    logs = []
+    orch = Orchestrator(cfg, "", log=logs.append, worker_cls=PoisonWorker)
+    orch.broadcast({"w": jnp.ones(4)}, 3)
+
+    def drain():
+      got, lost = [], []
+      while orch.inflight:
+        r, lo = orch.wait(timeout=5)
+        got += r
+        lost += lo
+      return got, lost
+
+    orch.submit([(0, 99)])
+    got, lost = drain()
+    assert got == [] and lost == [[(0, 99)]]
+    assert orch.counts["unit_errors"] == 1 and orch.counts["worker_deaths"] == 0
+    assert orch.counts["requeued"] == 1 and len(orch.workers) == 1 and 0 not in orch.workers
+    assert "raised" in logs[-1] and "recursion depth mismatch" in logs[-1]
+    orch.submit([(1, 4)])  # the replacement plays, with the broadcast weights
+    got, _ = drain()
+    assert got[0]["groups"] == {1: [(4, 3)]}
+    for _ in range(MAX_UNIT_ERRORS - 1):
+      orch.submit([(2, 99)])
+      drain()
+    orch.submit([(3, 99)])
+    with pytest.raises(ray.exceptions.RayTaskError, match="recursion depth mismatch"):
+      drain()
+    orch.shutdown()
+  finally:
+    ray.shutdown()
+
+
 requires_bwrap = pytest.mark.skipif(not sandbox.bwrap_available(),
                                     reason="bubblewrap cannot run here (apt-get install -y bubblewrap)")
 

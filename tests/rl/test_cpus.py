@@ -1,0 +1,83 @@
+"""rl.worker_cpus: the learner and the local rollout workers on cores of their own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from composer_jax.config import ConfigError, load_config
+from composer_jax.rl.cpus import split
+
+needs_two = pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                               reason="needs the Linux affinity API and 2 cores")
+
+
+def test_split_gives_the_workers_the_last_cores_and_never_leaves_the_learner_none():
+  assert split(1, {0, 1}) == ({0}, {1})
+  assert split(2, {4, 1, 7, 3}) == ({1, 3}, {4, 7})
+  assert split(0, {0, 1}) is None  # off
+  assert split(1, {5}) is None  # one core: nothing to split
+  assert split(2, {0, 1}) is None
+  with pytest.raises(ConfigError, match="rl.worker_cpus"):
+    load_config(None, ["rl.worker_cpus=-1"])
+
+
+@needs_two
+def test_pin_process_moves_threads_that_already_exist():
+  """XLA's pool threads exist before the learner is pinned: every thread of the process must move,
+  not only the caller (a subprocess, so this test's own process keeps its cores)."""
+  code = """
+import os, threading, time
+from composer_jax.rl.cpus import pin_process
+go = threading.Event()
+t = threading.Thread(target=go.wait); t.start()
+before = pin_process({0})
+tids = os.listdir("/proc/self/task")
+masks = {tid: os.sched_getaffinity(int(tid)) for tid in tids}
+go.set(); t.join()
+assert len(tids) >= 2 and all(m == {0} for m in masks.values()), masks
+late = threading.Thread(target=lambda: None); late.start(); late.join()  # inherits from its creator
+pin_process(before)
+assert os.sched_getaffinity(0) == before
+print("ok")
+"""
+  out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+class AffinityWorker:
+  """A stand-in rollout worker that reports the cores it may run on."""
+
+  def __init__(self, cfg_dict, tok_path, worker_id, seed, cpus=None):
+    if cpus:
+      from composer_jax.rl.cpus import pin_process
+      pin_process(set(cpus))
+
+  def push(self, chain):
+    pass
+
+  def info(self):
+    import os
+    return {"cpus": sorted(os.sched_getaffinity(0))}
+
+
+@needs_two
+def test_orchestrator_pins_workers_and_learner_and_gives_the_cores_back(monkeypatch):
+  pytest.importorskip("ray")
+  from composer_jax.rl.orchestrator import Orchestrator
+  monkeypatch.setenv("PYTHONPATH", os.getcwd())  # the actor imports this module
+  cores = sorted(os.sched_getaffinity(0))
+  before = {tid: os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task")}
+  cfg = load_config(None, ["rl.num_workers=1", "rl.async=true", "rl.worker_cpus=1"])
+  orch = Orchestrator(cfg, "", log=lambda m: None, worker_cls=AffinityWorker)
+  try:
+    assert os.sched_getaffinity(0) == set(cores[:-1])
+    (info,) = orch.worker_info().values()
+    assert info["cpus"] == cores[-1:]
+  finally:
+    orch.shutdown()
+  after = {tid: os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task") if tid in before}
+  assert after and after == {tid: before[tid] for tid in after}  # (some threads have ended meanwhile)
