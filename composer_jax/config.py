@@ -239,8 +239,9 @@ class RLConfig:
   dynamic_sampling: bool = False
   dynamic_max_rounds: int = 3
   # What makes a group informative: "outcome" = some episodes resolved the task and some did not
-  # (DAPO's accuracy filter); "reward" = any two rewards differ (shaping penalties count).
-  dynamic_by: Literal["outcome", "reward"] = "outcome"
+  # (DAPO's accuracy filter); "grade" = any two grades differ (outcomes, or partial credit);
+  # "reward" = any two rewards differ (shaping penalties count).
+  dynamic_by: Literal["outcome", "grade", "reward"] = "outcome"
   # Which tasks to draw (rl/curriculum.py): "none" = a seeded permutation; "family" = a family
   # (template and level) with probability ~ the chance its next group has both outcomes, from its
   # recent groups (each decayed by curriculum_decay per later group of the family).
@@ -270,6 +271,9 @@ class RLConfig:
   # Cap on (length + shaping) penalty per episode; < 1 keeps every resolved episode (grade 1) above
   # every unresolved one (grade 0), so effort is only traded off among equal outcomes.
   penalty_cap: float = 0.5
+  # Partial credit: an unresolved episode's grade is this x the share of the task's tests that pass
+  # (0 = off: grades are 0/1). At most 1 - penalty_cap, so resolved still outscores unresolved.
+  partial_credit: float = 0.0
   # Targeted textual feedback (Composer 2.5).
   feedback_kl_coef: float = 0.0  # 0 = off
   feedback_topk: int = 0  # teacher distribution: 0 = full vocabulary, else top-k plus a tail bucket

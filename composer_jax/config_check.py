@@ -106,6 +106,9 @@ def validate(cfg: Config) -> None:
   _require(r.length_ref > 0, f"rl.length_ref={r.length_ref} must be > 0 (the x where the penalty = coef)")
   _require(0 <= r.penalty_cap < 1, f"rl.penalty_cap={r.penalty_cap} must be in [0, 1) so a resolved "
            "episode always outscores an unresolved one")
+  _require(0 <= r.partial_credit <= 1 - r.penalty_cap, f"rl.partial_credit={r.partial_credit} must be in "
+           f"[0, 1 - rl.penalty_cap = {1 - r.penalty_cap:g}] so a resolved episode always outscores an "
+           "unresolved one")
   _require(r.feedback_topk >= 0, f"rl.feedback_topk={r.feedback_topk} must be >= 0 (0 = full vocabulary)")
   _require(r.feedback_topk < cfg.model.vocab_size, f"rl.feedback_topk={r.feedback_topk} must be < "
            f"model.vocab_size={cfg.model.vocab_size} (use 0 for the full vocabulary)")

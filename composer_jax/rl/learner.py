@@ -27,7 +27,7 @@ from composer_jax.rl.losses import (
   teacher_targets,
   token_logprobs,
 )
-from composer_jax.rl.rewards import episode_reward
+from composer_jax.rl.rewards import episode_reward, grade_value
 from composer_jax.train.step import ROWS
 
 # --------------------------------------------------------------------------------------------------
@@ -57,7 +57,8 @@ def score_rollouts(rollouts: list, cfg: Config, ks=(1,)) -> dict:
       hacked = is_hack([Flag(**f) for f in r.traj.flags])
       hacks += hacked
       stats = feedback.behaviour_stats(feedback.records_from_messages(r.traj.messages))
-      r.reward, r.parts = episode_reward(r.grade_reward, hacked, {**stats, **r.counts}, rate, cfg.rl)
+      graded = grade_value(r.traj.grade, r.resolved, cfg.rl.partial_credit)
+      r.reward, r.parts = episode_reward(graded, hacked, {**stats, **r.counts}, rate, cfg.rl)
       r.parts.update({k: v for k, v in stats.items()})
   rewards = np.array([[rollouts[i].reward for i in g] for g in order])
   adv = group_advantages(rewards, cfg.rl.adv_std_norm)
@@ -79,12 +80,15 @@ def split_groups(rollouts: list) -> list[list]:
 
 def informative(group: list, cfg: Config) -> bool:
   """Whether a group teaches the policy something: with ``rl.dynamic_by="outcome"`` (DAPO's filter)
-  some of its episodes resolved the task and some did not; with ``"reward"`` any advantage is
+  some of its episodes resolved the task and some did not; with ``"grade"`` two of its grades differ
+  (outcomes, or ``rl.partial_credit`` shares); with ``"reward"`` any advantage is
   non-zero (episodes with one outcome but different shaping penalties count). DAPO's dynamic
   sampling (``rl.dynamic_sampling``) trains on informative groups only and draws more tasks in the
   others' place."""
   if cfg.rl.dynamic_by == "outcome":
     return len({bool(r.resolved) for r in group}) == 2
+  if cfg.rl.dynamic_by == "grade":
+    return len({grade_value(r.traj.grade, r.resolved, cfg.rl.partial_credit) for r in group}) > 1
   return bool(np.any(score_rollouts(group, cfg)["advantages"] != 0))
 
 

@@ -16,6 +16,11 @@ not (as Kimi k1.5 also charges long wrong answers), but their total is capped at
 one: effort is traded off only among episodes with the same outcome. A reward-hack flag zeroes the
 grade (the episode counts as unresolved) while the penalties still apply, so a hack never scores
 above an honest failure of the same effort.
+
+Partial credit (``rl.partial_credit = c``, 0 = off): an unresolved episode grades c x the share of
+the task's tests that pass, so a group that never resolves its task can still rank its episodes.
+c <= 1 - penalty_cap keeps every resolved episode above every unresolved one. A grade whose report
+was missing or inconsistent (tampering) earns no credit.
 """
 
 from __future__ import annotations
@@ -71,6 +76,18 @@ def length_penalty(x: float, pass_rate: float, cfg: RLConfig) -> float:
 def shaping_penalty(stats: dict, cfg: RLConfig) -> float:
   """Sum of count * per-event penalty for malformed calls, unknown tools, repeats, call-less turns."""
   return float(sum(getattr(cfg, p) * float(stats.get(key, 0)) for key, p in SHAPING_KEYS.items()))
+
+
+def grade_value(grade: dict, resolved: bool, partial_credit: float) -> float:
+  """1 if resolved; else ``partial_credit`` x the passed share of FAIL_TO_PASS and PASS_TO_PASS together
+  (``grade`` is ``grading.verdict``'s details), 0 where the report was missing or inconsistent."""
+  if resolved:
+    return 1.0
+  if not partial_credit or not (grade.get("report_found") and grade.get("report_consistent")):
+    return 0.0
+  f2p, p2p = grade.get("fail_to_pass", {}), grade.get("pass_to_pass", {})
+  total = f2p.get("total", 0) + p2p.get("total", 0)
+  return partial_credit * (f2p.get("passed", 0) + p2p.get("passed", 0)) / total if total else 0.0
 
 
 def episode_reward(grade_reward: float, hacked: bool, stats: dict, pass_rate: float,

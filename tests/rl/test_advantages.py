@@ -41,14 +41,39 @@ def test_pass_stats_hand():
   assert A.pass_at_k is bench.pass_at_k and A.pass_hat_k is bench.pass_hat_k  # one implementation
 
 
-def _group(gid: int, outcomes: list[bool], malformed=()) -> list:
+def _group(gid: int, outcomes: list[bool], malformed=(), passed=None) -> list:
+  """``passed[i]``: episode i's passing tests of 4 (FAIL_TO_PASS 3 + PASS_TO_PASS 1)."""
   from types import SimpleNamespace
 
   from composer_jax.rl.trajectory import Rollout
+
+  def grade(i, ok):
+    n = 4 if ok else (passed[i] if passed else 0)
+    return {"fail_to_pass": {"passed": max(n - 1, 0), "total": 3},
+            "pass_to_pass": {"passed": min(n, 1), "total": 1},
+            "report_found": True, "report_consistent": True}
   return [Rollout(f"t{gid}", gid, [], [], SimpleNamespace(flags=[], messages=[], resolved=ok,
-                                                          reward=float(ok), grade={}),
+                                                          reward=float(ok), grade=grade(i, ok)),
                   {"malformed_calls": 1} if i in malformed else {})
           for i, ok in enumerate(outcomes)]
+
+
+def test_partial_credit_ranks_a_group_that_never_resolves():
+  from composer_jax.config import load_config
+  from composer_jax.rl import learner as L
+  base = ["rl.tasks_per_step=2", "rl.group_size=3"]
+  cfg = load_config(None, base + ["rl.partial_credit=0.4", "rl.dynamic_by=grade"])
+  apart = _group(0, [False] * 3, passed=[1, 3, 1])  # shares 1/4, 3/4, 1/4 of 0.4
+  alike = _group(1, [False] * 3, passed=[2, 2, 2], malformed=(0,))
+  mixed = _group(2, [True, False, False], passed=[0, 2, 2])  # rewards 1, 0.2, 0.2
+  assert [L.informative(g, cfg) for g in (apart, alike, mixed)] == [True, False, True]
+  off = load_config(None, base)  # 0/1 grades: an unresolved group is all alike
+  assert not L.informative(apart, off)
+  stats = L.score_rollouts(L.regroup([apart, mixed]), cfg)
+  np.testing.assert_allclose(stats["advantages"],
+                             [-1 / 15, 2 / 15, -1 / 15, 1.6 / 3, -0.8 / 3, -0.8 / 3],
+                             atol=1e-12)
+  assert stats["pass_rate"] == pytest.approx(1 / 6)  # pass rates still count resolved episodes only
 
 
 def test_dynamic_sampling_keeps_the_groups_that_teach_something():
