@@ -44,7 +44,8 @@ def fresh_tasks(run: str, n: int, seed: int, out: str) -> list:
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--run", required=True, help="a `composer-jax run` directory")
-  ap.add_argument("--rl", nargs="*", default=None, help="NAME=RL_RUN_DIR (default: rl=RUN/rl)")
+  ap.add_argument("--rl", nargs="+", action="extend", default=None,
+                  help="NAME=RL_RUN_DIR ... (repeatable; default: rl=RUN/rl)")
   ap.add_argument("--tasks", type=int, default=300)
   ap.add_argument("--seed", type=int, default=1234)
   ap.add_argument("--out", default="/tmp/rl_heldout_paired")
