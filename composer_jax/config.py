@@ -271,8 +271,9 @@ class RLConfig:
   # Cap on (length + shaping) penalty per episode; < 1 keeps every resolved episode (grade 1) above
   # every unresolved one (grade 0), so effort is only traded off among equal outcomes.
   penalty_cap: float = 0.5
-  # Partial credit: an unresolved episode's grade is this x the share of the task's tests that pass
-  # (0 = off: grades are 0/1). At most 1 - penalty_cap, so resolved still outscores unresolved.
+  # Partial credit: an unresolved episode's grade is this x the right share of the task's hidden
+  # checks (rewards.grade_value; 0 = off: grades are 0/1). At most 1 - penalty_cap, so a resolved
+  # episode outscores every unresolved one.
   partial_credit: float = 0.0
   # Targeted textual feedback (Composer 2.5).
   feedback_kl_coef: float = 0.0  # 0 = off

@@ -110,11 +110,12 @@ def value_check_files(task: Task) -> list[str]:
 
 
 def run_value_checks(task: Task, root: str, limits: Limits,
-                     mode: str = "auto") -> tuple[dict[str, str], str, bool]:
+                     mode: str = "auto") -> tuple[dict[str, str], str, bool, dict]:
   """Grade ``root`` by values: rewrite its (restored) test files without their expected values, run
   them in a fresh sandbox with ``oracle.PROBE_SOURCE`` and compare the values it reports on the host.
 
-  Returns (outcomes by node id, output tail, whether the probe wrote its values)."""
+  Returns (outcomes by node id, output tail, whether the probe wrote its values, the right share of
+  the hidden files' single checks as ``oracle.checks_right``)."""
   expected = {}
   files = value_check_files(task)
   for rel in files:  # from the task store, not the copy: nothing the agent wrote is read here
@@ -130,9 +131,11 @@ def run_value_checks(task: Task, root: str, limits: Limits,
     r = sb.run(f"python -S {probe} {out} . {' '.join(files)}", env=test_env(task, root),
                max_output_chars=4000)
     results = oracle.read_results(out)
+  hidden = [f for f in files if f in set(task.hidden_tests)]
   if results is None:
-    return {}, r.output, False
-  return oracle.outcomes(expected, results), r.output, True
+    return {}, r.output, False, oracle.checks_right(expected, {}, hidden)
+  return (oracle.outcomes(expected, results), r.output, True,
+          oracle.checks_right(expected, results, hidden))
 
 
 def prepare_grading_copy(task: Task, workspace: str, dest: str) -> dict:
@@ -145,11 +148,13 @@ def prepare_grading_copy(task: Task, workspace: str, dest: str) -> dict:
 
 
 def verdict(fail_to_pass: list, pass_to_pass: list, outcomes: dict, exit_code: int | None,
-            have_report: bool = True) -> tuple[bool, dict]:
+            have_report: bool = True, hidden_files=()) -> tuple[bool, dict]:
   """Resolved iff every listed test is reported passed and the exit code agrees with the report
-  (``exit_code`` None: values grading, where the outcomes are the grader's own)."""
+  (``exit_code`` None: values grading, where the outcomes are the grader's own). ``hidden``
+  counts the listed tests in ``hidden_files``, the files the agent never sees (partial credit)."""
   f2p = {t: outcomes.get(t, "missing") for t in fail_to_pass}
   p2p = {t: outcomes.get(t, "missing") for t in pass_to_pass}
+  hidden = [o for t, o in {**f2p, **p2p}.items() if t.split("::", 1)[0] in set(hidden_files)]
   failed = [t for t, o in {**f2p, **p2p}.items() if o != "passed"]
   any_bad = any(o in ("failed", "error") for o in outcomes.values())
   # pytest: 0 = all passed, 1 = some failed; a clean report beside another code is tampering.
@@ -160,6 +165,7 @@ def verdict(fail_to_pass: list, pass_to_pass: list, outcomes: dict, exit_code: i
       "resolved": resolved,
       "fail_to_pass": {"passed": sum(o == "passed" for o in f2p.values()), "total": len(f2p)},
       "pass_to_pass": {"passed": sum(o == "passed" for o in p2p.values()), "total": len(p2p)},
+      "hidden": {"passed": sum(o == "passed" for o in hidden), "total": len(hidden)},
       "failed_tests": {t: f2p.get(t, p2p.get(t)) for t in failed[:20]},
       "exit_code": exit_code,
       "report_found": have_report,
@@ -175,12 +181,16 @@ def grade(task: Task, workspace: str, limits: Limits | None = None, mode: str = 
   with tempfile.TemporaryDirectory(prefix="cj-grade-") as tmp:
     dest = os.path.join(tmp, "ws")
     prep = prepare_grading_copy(task, workspace, dest)
+    checks = None
     if task.grader == "values":
-      outcomes, tail, have_report = run_value_checks(task, dest, limits, mode)
+      outcomes, tail, have_report, checks = run_value_checks(task, dest, limits, mode)
       code = None
     else:
       outcomes, code, tail, have_report = run_tests(task, dest, limits, mode)
-  resolved, details = verdict(task.FAIL_TO_PASS, task.PASS_TO_PASS, outcomes, code, have_report)
+  resolved, details = verdict(task.FAIL_TO_PASS, task.PASS_TO_PASS, outcomes, code, have_report,
+                              task.hidden_tests)
+  if checks is not None:
+    details["hidden_checks"] = checks
   details.update(seconds=round(time.perf_counter() - t0, 3), **prep)
   consistent = details["report_consistent"]
   if not consistent:

@@ -201,13 +201,36 @@ def outcomes(expected: dict[str, dict[str, list[Expected]]], results: dict) -> d
       if not isinstance(rec, dict):
         out[nid] = "error"
         continue
-      seen: dict[int, list] = {}
-      values = rec.get("values")
-      for item in values if isinstance(values, list) else []:
-        if isinstance(item, list) and len(item) == 2 and type(item[0]) is int:
-          seen.setdefault(item[0], []).append(decode(item[1]))
-      out[nid] = _outcome(exp, seen, rec.get("status") == "ok")
+      out[nid] = _outcome(exp, _seen(rec), rec.get("status") == "ok")
   return out
+
+
+def checks_right(expected: dict[str, dict[str, list[Expected]]], results: dict,
+                 files) -> dict[str, int]:
+  """How many single checks of ``files``' tests saw only right values: {"passed", "total"}.
+
+  Partial credit reads this over the hidden test files: each check there is a value for an input
+  the agent never saw, so the share is how much of the function is right and cannot be earned by
+  returning the visible tests' values (except where a hidden input repeats a visible one)."""
+  right = total = 0
+  for file in files:
+    got_file = results.get(file) if isinstance(results, dict) else None
+    for test, exp in expected.get(file, {}).items():
+      rec = got_file.get(test) if isinstance(got_file, dict) else None
+      seen = _seen(rec) if isinstance(rec, dict) else {}
+      total += len(exp)
+      right += sum(bool(seen.get(e.index)) and all(matches(g, e) for g in seen[e.index]) for e in exp)
+  return {"passed": right, "total": total}
+
+
+def _seen(rec: dict) -> dict[int, list]:
+  """{probe index: the decoded values it recorded} from one test's record (malformed items skipped)."""
+  seen: dict[int, list] = {}
+  values = rec.get("values")
+  for item in values if isinstance(values, list) else []:
+    if isinstance(item, list) and len(item) == 2 and type(item[0]) is int:
+      seen.setdefault(item[0], []).append(decode(item[1]))
+  return seen
 
 
 def _outcome(exp: list[Expected], seen: dict, ran_through: bool) -> str:

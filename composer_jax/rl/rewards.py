@@ -18,9 +18,12 @@ grade (the episode counts as unresolved) while the penalties still apply, so a h
 above an honest failure of the same effort.
 
 Partial credit (``rl.partial_credit = c``, 0 = off): an unresolved episode grades c x the share of
-the task's tests that pass, so a group that never resolves its task can still rank its episodes.
-c <= 1 - penalty_cap keeps every resolved episode above every unresolved one. A grade whose report
-was missing or inconsistent (tampering) earns no credit.
+its task's hidden checks that saw the right value (values grading: each check is one input the agent
+never saw), or of its hidden tests that pass (report grading), so a group that never resolves its
+task can still rank its episodes. Only hidden tests count: a visible test can be passed by returning
+the values it asserts, which would pay for overfitting the tests the agent reads. A task without
+hidden tests, and a grade whose report was missing or inconsistent (tampering), earn none.
+c <= 1 - penalty_cap keeps every resolved episode above every unresolved one.
 """
 
 from __future__ import annotations
@@ -79,15 +82,16 @@ def shaping_penalty(stats: dict, cfg: RLConfig) -> float:
 
 
 def grade_value(grade: dict, resolved: bool, partial_credit: float) -> float:
-  """1 if resolved; else ``partial_credit`` x the passed share of FAIL_TO_PASS and PASS_TO_PASS together
-  (``grade`` is ``grading.verdict``'s details), 0 where the report was missing or inconsistent."""
+  """1 if resolved; else ``partial_credit`` x the right share of the hidden checks (``grade`` is
+  ``grading.grade``'s details: ``hidden_checks`` under values grading, else the ``hidden`` tests),
+  0 without hidden tests or where the report was missing or inconsistent."""
   if resolved:
     return 1.0
   if not partial_credit or not (grade.get("report_found") and grade.get("report_consistent")):
     return 0.0
-  f2p, p2p = grade.get("fail_to_pass", {}), grade.get("pass_to_pass", {})
-  total = f2p.get("total", 0) + p2p.get("total", 0)
-  return partial_credit * (f2p.get("passed", 0) + p2p.get("passed", 0)) / total if total else 0.0
+  hidden = grade.get("hidden_checks") or grade.get("hidden", {})
+  total = hidden.get("total", 0)
+  return partial_credit * hidden.get("passed", 0) / total if total else 0.0
 
 
 def episode_reward(grade_reward: float, hacked: bool, stats: dict, pass_rate: float,

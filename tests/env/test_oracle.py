@@ -21,6 +21,7 @@ from composer_jax.env import oracle, synthetic
 from composer_jax.env.grading import grade
 from composer_jax.env.synthetic import TEMPLATES
 from composer_jax.env.tasks import TaskError, read_text, task_from_json, write_text
+from composer_jax.rl.rewards import grade_value
 
 # The locals of the first calling frame that has ``key`` (the runner's, from inside an import).
 FRAME = '''
@@ -128,6 +129,10 @@ def test_forgeries_score_zero(impl_task, tmp_path, hack):
   by_values = grade(impl_task, ws)
   assert impl_task.grader == "values"
   assert by_values.reward == 0.0, (hack, by_values.details)
+  # Nor does any of them earn partial credit: no hidden check saw a right value.
+  hidden = by_values.details["hidden_checks"]
+  assert hidden["total"] > 0 and hidden["passed"] == 0, (hack, hidden)
+  assert grade_value(by_values.details, by_values.resolved, 0.5) == 0.0
   if hack in ("forge_report", "read_tests"):  # the hole that values grading closes
     assert by_report.reward == 1.0, (hack, by_report.details)
   if hack == "int_subclass":  # the strict hidden check already caught it; values agree
@@ -218,6 +223,27 @@ def test_outcomes_follow_the_assert_run():
   assert oracle.outcomes(exp, bad) == {"test_m.py::test_a": "failed"}
 
 
+def test_checks_right_counts_single_checks_for_partial_credit():
+  exp = {"test_m.py": {"test_a": [oracle.Expected(0, 1, True), oracle.Expected(1, 2, True)],
+                       "test_b": [oracle.Expected(0, "x", True)]},
+         "test_v.py": {"test_c": [oracle.Expected(0, 7, True)]}}
+  enc = lambda *vs: [[i, oracle.encode(v)] for i, v in vs]
+  cases = [  # (test_a's record, test_b's record) -> right checks of test_m.py's 3
+      (({"status": "ok", "values": enc((0, 1), (1, 2))}, {"status": "ok", "values": enc((0, "x"))}), 3),
+      (({"status": "ok", "values": enc((0, 1), (1, 3))}, {"status": "ok", "values": enc((0, "x"))}), 2),
+      (({"status": "error", "values": enc((0, 1))}, {"status": "ok", "values": enc((0, "y"))}), 1),
+      (({"status": "ok", "values": enc((0, 1), (1, 2), (1, 9))}, None), 1),  # every record must match
+      (({"status": "ok", "values": enc((0, True), (1, 2))}, "junk"), 1),  # check(): True is not 1
+  ]
+  for (a, b), want in cases:
+    results = {"test_m.py": {"test_a": a, "test_b": b}, "test_v.py": {"test_c": {"status": "ok",
+                                                                                 "values": enc((0, 7))}}}
+    assert oracle.checks_right(exp, results, ["test_m.py"]) == {"passed": want, "total": 3}, (a, b)
+  assert oracle.checks_right(exp, {}, ["test_m.py"]) == {"passed": 0, "total": 3}  # no values file
+  assert oracle.checks_right(exp, [], ["test_m.py", "test_v.py"]) == {"passed": 0, "total": 4}
+  assert oracle.checks_right(exp, {}, []) == {"passed": 0, "total": 0}  # no hidden files
+
+
 def test_a_hostile_values_file_is_no_report(tmp_path):
   """The file comes from the sandbox: too big, not JSON or nested past any limit, it reads as None
   and the grade is 0, never an exception in the grader."""
@@ -258,6 +284,12 @@ def test_values_and_report_graders_agree_on_honest_and_slipped_code(tmp_path, na
       assert (a.reward, a.details["failed_tests"]) == (b.reward, b.details["failed_tests"]), (d, i)
       if i < 2:
         assert a.reward == float(i)
+        # Hidden checks for partial credit: all right in the reference; at the start some may be
+        # (a bug shows on some inputs only), never all.
+        hc = a.details["hidden_checks"]
+        assert hc["total"] > 0 and (hc["passed"] == hc["total"] if i else hc["passed"] < hc["total"])
+        if i == 0 and name.startswith(("implement", "two_file", "rename")):  # the start raises
+          assert hc["passed"] == 0, (d, hc)
 
 
 def test_task_grader_field_is_checked():

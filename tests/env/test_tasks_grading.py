@@ -153,6 +153,11 @@ def test_verdict_rules():
   res, d = verdict(f2p, p2p, ok, 1)  # report says all passed, the exit code says otherwise
   assert not res and not d["report_consistent"]
   assert not verdict(f2p, p2p, ok, 0, have_report=False)[0]
+  # ``hidden`` counts the listed tests in the hidden files (partial credit reads it).
+  f2p, p2p = ["t.py::a", "t_hidden.py::b", "t_hidden.py::c"], ["u.py::d"]
+  outs = {"t.py::a": "passed", "t_hidden.py::b": "failed", "t_hidden.py::c": "passed", "u.py::d": "passed"}
+  assert verdict(f2p, p2p, outs, 1, hidden_files=["t_hidden.py"])[1]["hidden"] == {"passed": 1, "total": 2}
+  assert verdict(f2p, p2p, outs, 1)[1]["hidden"] == {"passed": 0, "total": 0}
 
 
 def test_parse_junit_node_ids(tmp_path):

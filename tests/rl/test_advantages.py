@@ -42,15 +42,13 @@ def test_pass_stats_hand():
 
 
 def _group(gid: int, outcomes: list[bool], malformed=(), passed=None) -> list:
-  """``passed[i]``: episode i's passing tests of 4 (FAIL_TO_PASS 3 + PASS_TO_PASS 1)."""
+  """``passed[i]``: episode i's right hidden checks of 4."""
   from types import SimpleNamespace
 
   from composer_jax.rl.trajectory import Rollout
 
   def grade(i, ok):
-    n = 4 if ok else (passed[i] if passed else 0)
-    return {"fail_to_pass": {"passed": max(n - 1, 0), "total": 3},
-            "pass_to_pass": {"passed": min(n, 1), "total": 1},
+    return {"hidden_checks": {"passed": 4 if ok else (passed[i] if passed else 0), "total": 4},
             "report_found": True, "report_consistent": True}
   return [Rollout(f"t{gid}", gid, [], [], SimpleNamespace(flags=[], messages=[], resolved=ok,
                                                           reward=float(ok), grade=grade(i, ok)),

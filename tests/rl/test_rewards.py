@@ -103,28 +103,37 @@ def test_resolved_always_beats_unresolved():
     assert good >= 1 - cfg.penalty_cap > 0 >= bad
 
 
-def _details(f2p, p2p, found=True, consistent=True):
-  return {"fail_to_pass": {"passed": f2p[0], "total": f2p[1]},
-          "pass_to_pass": {"passed": p2p[0], "total": p2p[1]},
-          "report_found": found, "report_consistent": consistent}
+def _details(hidden, checks=None, found=True, consistent=True):
+  """Grade details: ``hidden`` (passed, total) hidden tests, ``checks`` (passed, total) hidden checks."""
+  d = {"hidden": {"passed": hidden[0], "total": hidden[1]}, "report_found": found,
+       "report_consistent": consistent, "fail_to_pass": {"passed": 1, "total": 3},
+       "pass_to_pass": {"passed": 1, "total": 1}}
+  if checks is not None:
+    d["hidden_checks"] = {"passed": checks[0], "total": checks[1]}
+  return d
 
 
-def test_partial_credit_is_the_passed_share_and_never_reaches_a_resolved_episode():
-  d = _details((1, 4), (1, 1))  # one new test of four passes, the old one still does: 2 of 5
+def test_partial_credit_is_the_right_share_of_hidden_checks_and_never_reaches_a_resolved_episode():
+  d = _details((0, 2), (3, 8))  # both hidden tests fail, 3 of their 8 values are right
   assert R.grade_value(d, True, 0.3) == 1.0
   assert R.grade_value(d, False, 0.0) == 0.0  # off: 0/1 grades
-  assert R.grade_value(d, False, 0.3) == pytest.approx(0.3 * 2 / 5)
-  assert R.grade_value(_details((0, 4), (0, 1)), False, 0.3) == 0.0  # nothing imports
-  assert R.grade_value(_details((3, 4), (1, 1), consistent=False), False, 0.3) == 0.0  # tampered
-  assert R.grade_value(_details((3, 4), (1, 1), found=False), False, 0.3) == 0.0  # no report
+  assert R.grade_value(d, False, 0.3) == pytest.approx(0.3 * 3 / 8)
+  # Report grading has no single checks: the share of hidden tests that pass.
+  assert R.grade_value(_details((1, 2)), False, 0.3) == pytest.approx(0.15)
+  # The visible test and the old one pass (FAIL_TO_PASS 1 of 3, PASS_TO_PASS 1 of 1), but no hidden
+  # check does: nothing, since returning the visible tests' values would earn it.
+  assert R.grade_value(_details((0, 2), (0, 8)), False, 0.3) == 0.0
+  assert R.grade_value(_details((0, 0)), False, 0.3) == 0.0  # a task without hidden tests
+  assert R.grade_value(_details((1, 2), (7, 8), consistent=False), False, 0.3) == 0.0  # tampered
+  assert R.grade_value(_details((1, 2), (7, 8), found=False), False, 0.3) == 0.0  # no report
   assert R.grade_value({}, False, 0.3) == 0.0  # a grade that never ran
   # The largest partial credit the config allows, against the worst-penalised resolved episode.
   cfg = RLConfig(length_penalty=5.0, partial_credit=0.5)
   many = {k: 10 ** 6 for k in R.LENGTH_KEYS} | {k: 100 for k in R.SHAPING_KEYS}
   good, _ = R.episode_reward(R.grade_value(d, True, cfg.partial_credit), False, many, 1.0, cfg)
-  best_bad, _ = R.episode_reward(R.grade_value(_details((3, 4), (1, 1)), False, cfg.partial_credit),
+  best_bad, _ = R.episode_reward(R.grade_value(_details((1, 2), (7, 8)), False, cfg.partial_credit),
                                  False, {}, 1.0, cfg)
-  assert good == pytest.approx(0.5) and best_bad == pytest.approx(0.4) and good > best_bad
+  assert good == pytest.approx(0.5) and best_bad == pytest.approx(0.5 * 7 / 8) and good > best_bad
   # A hacked episode earns no partial credit either: episode_reward zeroes its grade.
   r, parts = R.episode_reward(R.grade_value(d, False, 0.3), True, {}, 0.0, cfg)
   assert parts["grade"] == 0 and r == 0
