@@ -131,7 +131,7 @@ def run_value_checks(task: Task, root: str, limits: Limits,
     r = sb.run(f"python -S {probe} {out} . {' '.join(files)}", env=test_env(task, root),
                max_output_chars=4000)
     results = oracle.read_results(out)
-  hidden = [f for f in files if f in set(task.hidden_tests)]
+  hidden = sorted(set(files) & set(task.hidden_tests))
   if results is None:
     return {}, r.output, False, oracle.checks_right(expected, {}, hidden)
   return (oracle.outcomes(expected, results), r.output, True,
@@ -154,7 +154,8 @@ def verdict(fail_to_pass: list, pass_to_pass: list, outcomes: dict, exit_code: i
   counts the listed tests in ``hidden_files``, the files the agent never sees (partial credit)."""
   f2p = {t: outcomes.get(t, "missing") for t in fail_to_pass}
   p2p = {t: outcomes.get(t, "missing") for t in pass_to_pass}
-  hidden = [o for t, o in {**f2p, **p2p}.items() if t.split("::", 1)[0] in set(hidden_files)]
+  hidden_files = set(hidden_files)
+  hidden = [o for t, o in {**f2p, **p2p}.items() if t.split("::", 1)[0] in hidden_files]
   failed = [t for t, o in {**f2p, **p2p}.items() if o != "passed"]
   any_bad = any(o in ("failed", "error") for o in outcomes.values())
   # pytest: 0 = all passed, 1 = some failed; a clean report beside another code is tampering.

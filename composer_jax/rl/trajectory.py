@@ -119,7 +119,3 @@ class Rollout:
   @property
   def resolved(self) -> bool:
     return bool(self.traj.resolved)
-
-  @property
-  def grade_reward(self) -> float:
-    return float(self.traj.reward)

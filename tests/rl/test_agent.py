@@ -72,7 +72,7 @@ def test_runner_token_in_token_out_and_slots(tok, tasks):
   rollouts = runner.run(jobs)
   assert engine.max_held <= 2 and len(engine.released) == 4  # 4 episodes through 2 slots
   for r, job in zip(rollouts, jobs):
-    assert r.task_id == job.task.instance_id and r.resolved and r.grade_reward == 1.0
+    assert r.task_id == job.task.instance_id and r.resolved and r.traj.reward == 1.0
     (seg,) = r.segments
     # The segment is the exact fed/produced stream: prompt as SFT encodes it, then the turns.
     prompt = chat.encode_segments(r.traj.messages[:2], tok)[0] + tok.encode(chat.generation_prompt())
