@@ -64,13 +64,24 @@ class AffinityWorker:
     return {"cpus": sorted(os.sched_getaffinity(0))}
 
 
+def _thread_masks() -> dict:
+  """{thread id: its CPU set} for this process's threads; one that ends while listed is skipped."""
+  out = {}
+  for tid in os.listdir("/proc/self/task"):
+    try:
+      out[tid] = os.sched_getaffinity(int(tid))
+    except ProcessLookupError:
+      pass
+  return out
+
+
 @needs_two
 def test_orchestrator_pins_workers_and_learner_and_gives_the_cores_back(monkeypatch):
   pytest.importorskip("ray")
   from composer_jax.rl.orchestrator import Orchestrator
   monkeypatch.setenv("PYTHONPATH", os.getcwd())  # the actor imports this module
   cores = sorted(os.sched_getaffinity(0))
-  before = {tid: os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task")}
+  before = _thread_masks()
   cfg = load_config(None, ["rl.num_workers=1", "rl.async=true", "rl.worker_cpus=1"])
   orch = Orchestrator(cfg, "", log=lambda m: None, worker_cls=AffinityWorker)
   try:
@@ -79,5 +90,5 @@ def test_orchestrator_pins_workers_and_learner_and_gives_the_cores_back(monkeypa
     assert info["cpus"] == cores[-1:]
   finally:
     orch.shutdown()
-  after = {tid: os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task") if tid in before}
+  after = {tid: m for tid, m in _thread_masks().items() if tid in before}
   assert after and after == {tid: before[tid] for tid in after}  # (some threads have ended meanwhile)
