@@ -8,10 +8,12 @@ difference from SFT with a paired bootstrap interval (`recipe.paired_difference`
 family. An evaluation already written under OUT is reused, so more RL policies can be added later.
 
     python -m experiments.rl_heldout_paired --run RUN_DIR [--rl NAME=RL_RUN_DIR ...] [--tasks 300]
-        [--out DIR] [--result NAME]
+        [--out DIR] [--result NAME] [--eval-override rl.temperature=0.7 ...]
 
 RUN_DIR is a `composer-jax run` directory; its own `rl/` is the RL policy named "rl" unless --rl
-names others (e.g. RL-only re-runs from the same SFT policy).
+names others (e.g. RL-only re-runs from the same SFT policy). ``--eval-override`` adds config
+overrides to every policy's evaluation after the run's own ``run.eval_overrides`` (e.g. a sampling
+temperature); give each setting its own --out, since evaluations are reused by name.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import argparse
 import json
 import os
 
-from composer_jax.config import load_config
+from composer_jax.config import ConfigError, load_config, validate
 from composer_jax.env import synthetic
 from composer_jax.env.tasks import load_tasks
 from composer_jax.recipe import bootstrap_ci, by_family, paired_difference
@@ -50,8 +52,14 @@ def main() -> None:
   ap.add_argument("--seed", type=int, default=1234)
   ap.add_argument("--out", default="/tmp/rl_heldout_paired")
   ap.add_argument("--result", default="rl_heldout_paired", help="results/NAME.json to write")
+  ap.add_argument("--eval-override", nargs="+", action="extend", default=[],
+                  help="config overrides for every evaluation, after run.eval_overrides (repeatable)")
   args = ap.parse_args()
   cfg = load_config(os.path.join(args.run, "config.yaml"))
+  try:  # a typo or a bad value fails here, before any task is drawn or evaluated
+    validate(load_config(os.path.join(args.run, "config.yaml"), args.eval_override))
+  except ConfigError as e:
+    raise SystemExit(f"--eval-override: {e}") from None
   tasks = fresh_tasks(args.run, args.tasks, args.seed, os.path.join(args.out, "tasks"))
   policies = {"sft": os.path.join(args.run, "sft")}
   policies.update(dict(x.split("=", 1) for x in args.rl) if args.rl else {"rl": os.path.join(args.run, "rl")})
@@ -60,7 +68,7 @@ def main() -> None:
     path = os.path.join(args.out, name, "summary.json")
     if not os.path.exists(path):
       eval_run_dir(run_dir, tasks, cfg.run.eval_samples, os.path.join(args.out, name),
-                   list(cfg.run.eval_overrides), log=lambda m: None)
+                   [*cfg.run.eval_overrides, *args.eval_override], log=lambda m: None)
     with open(path) as f:
       evals[name] = json.load(f)
   sft = evals["sft"]["per_task"]
@@ -80,6 +88,7 @@ def main() -> None:
     print(f"{name:10s} pass@1 {rec['pass@1']:.3f} [{rec['ci95'][0]:.3f}, {rec['ci95'][1]:.3f}]{extra}")
   write_result(args.result, {"run": os.path.abspath(args.run), "tasks": len(tasks),
                                      "samples": cfg.run.eval_samples, "task_seed": args.seed,
+                                     "eval_overrides": [*cfg.run.eval_overrides, *args.eval_override],
                                      "policies": res})
 
 
