@@ -203,6 +203,7 @@ class Recipe:
       with open(self.path("eval", f"{tag}-heldout", "summary.json")) as f:
         per_task[tag] = json.load(f)["per_task"]
     summary["rl_minus_sft_paired"] = paired_difference(per_task["sft"], per_task["rl"])
+    summary["rl_sft_mix_coef"] = self.rl_config().rl.sft_mix_coef
     with open(self.path("summary.json"), "w") as f:
       json.dump(summary, f, indent=1)
     self._plot(summary)
@@ -273,6 +274,10 @@ def table(summary: dict) -> str:
     line += (f", paired 95% CI [{paired['ci95'][0]:+.3f}, {paired['ci95'][1]:+.3f}] over "
              f"{paired['tasks']} tasks")
   lines.append(line)
+  if summary.get("rl_sft_mix_coef"):
+    # The RL stage's SFT rows are continued SFT: say so where the difference is read.
+    lines.append(f"  (the RL stage also trains on SFT chats, rl.sft_mix_coef={summary['rl_sft_mix_coef']:g}; "
+                 "RL - SFT includes their effect: docs/rl.md, \"Stop 36\")")
   lines.append("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in summary["wall_s"].items())
                + f" (total {summary['total_wall_s']:.0f}s)")
   return "\n".join(lines)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from composer_jax.env import sandbox
-from composer_jax.recipe import bootstrap_ci, paired_difference
+from composer_jax.recipe import bootstrap_ci, paired_difference, table
 
 SMALL = ["train.steps=2", "train.eval_every=0", "data.tokenizer_train_mb=1", "data.max_files=200",
          "run.train_tasks=4", "run.rl_tasks=3", "run.heldout_tasks=2", "run.unseen_tasks=2", "run.eval_samples=2",
@@ -44,6 +44,21 @@ def test_paired_difference_is_per_task_and_narrower_than_the_unpaired_spread():
   assert 0 < p["ci95"][0] < 0.1 < p["ci95"][1] < 0.2
   lo, hi = bootstrap_ci([v["c"] / v["n"] for v in before.values()])
   assert hi - lo > 2 * (p["ci95"][1] - p["ci95"][0])
+
+
+def test_table_says_when_the_rl_stage_also_trains_on_sft_chats():
+  """RL - SFT of a stage with SFT rows includes continued SFT (docs/rl.md, "Stop 36"): the table
+  says so under the difference, and says nothing when the stage has none."""
+  part = {"tasks": 2, "samples": 2, "pass@1": 0.5, "ci95": [0.0, 1.0], "pass@2": 0.5,
+          "mean_completion_tokens": 9.0}
+  s = {"sft": part, "rl": part, "unseen_templates": {"sft": part, "rl": part}, "rl_minus_sft_pass@1": 0.0,
+       "wall_s": {"rl": 1.0}, "total_wall_s": 1.0, "rl_sft_mix_coef": 0.5}
+  lines = table(s).splitlines()
+  at = next(i for i, x in enumerate(lines) if x.startswith("RL - SFT held-out pass@1"))
+  assert "rl.sft_mix_coef=0.5;" in lines[at + 1]
+  for off in ({"rl_sft_mix_coef": 0.0}, {}):
+    t = table({k: v for k, v in s.items() if k != "rl_sft_mix_coef"} | off)
+    assert "sft_mix_coef" not in t and "RL - SFT held-out pass@1" in t
 
 
 @pytest.mark.slow
@@ -82,6 +97,7 @@ def test_main_job_small(tmp_path, capsys):
   printed = capsys.readouterr().out
   assert "RL - SFT held-out pass@1" in printed and "paired 95% CI" in printed
   assert "held-out family" in printed
+  assert s["rl_sft_mix_coef"] == 0.1 and "rl.sft_mix_coef=0.1;" in printed
   # --resume skips every finished stage.
   assert main(["run", "configs/tiny.yaml", "--out", str(out), "--resume", *SMALL]) == 0
   assert capsys.readouterr().out.count("done earlier, skipped") == 7
