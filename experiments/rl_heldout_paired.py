@@ -55,9 +55,11 @@ def main() -> None:
   ap.add_argument("--eval-override", nargs="+", action="extend", default=[],
                   help="config overrides for every evaluation, after run.eval_overrides (repeatable)")
   args = ap.parse_args()
-  cfg = load_config(os.path.join(args.run, "config.yaml"))
+  run_cfg = os.path.join(args.run, "config.yaml")
+  cfg = load_config(run_cfg)
+  overrides = [*cfg.run.eval_overrides, *args.eval_override]  # what every evaluation applies
   try:  # a typo or a bad value fails here, before any task is drawn or evaluated
-    validate(load_config(os.path.join(args.run, "config.yaml"), args.eval_override))
+    validate(load_config(run_cfg, overrides))
   except ConfigError as e:
     raise SystemExit(f"--eval-override: {e}") from None
   tasks = fresh_tasks(args.run, args.tasks, args.seed, os.path.join(args.out, "tasks"))
@@ -68,7 +70,7 @@ def main() -> None:
     path = os.path.join(args.out, name, "summary.json")
     if not os.path.exists(path):
       eval_run_dir(run_dir, tasks, cfg.run.eval_samples, os.path.join(args.out, name),
-                   [*cfg.run.eval_overrides, *args.eval_override], log=lambda m: None)
+                   overrides, log=lambda m: None)
     with open(path) as f:
       evals[name] = json.load(f)
   sft = evals["sft"]["per_task"]
@@ -88,7 +90,7 @@ def main() -> None:
     print(f"{name:10s} pass@1 {rec['pass@1']:.3f} [{rec['ci95'][0]:.3f}, {rec['ci95'][1]:.3f}]{extra}")
   write_result(args.result, {"run": os.path.abspath(args.run), "tasks": len(tasks),
                                      "samples": cfg.run.eval_samples, "task_seed": args.seed,
-                                     "eval_overrides": [*cfg.run.eval_overrides, *args.eval_override],
+                                     "eval_overrides": overrides,
                                      "policies": res})
 
 
