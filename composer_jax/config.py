@@ -334,6 +334,11 @@ class RunConfig:
   eval_samples: int = 4  # samples per held-out task (pass@1 and pass@k)
   pretrain_overrides: list = field(default_factory=list)
   sft_overrides: list = field(default_factory=list)
+  # A second SFT phase (stage "anneal", DIR/anneal) after the mixed SFT stage: this many steps on
+  # the expert chats alone (no drills), with the SFT stage's config plus ``anneal_overrides``. It is
+  # the SFT policy that evaluation and RL start from. 0: none (the SFT stage's policy is used).
+  anneal_steps: int = 0
+  anneal_overrides: list = field(default_factory=list)
   rl_overrides: list = field(default_factory=list)
   eval_overrides: list = field(default_factory=list)
 

@@ -147,9 +147,11 @@ def validate(cfg: Config) -> None:
   u = cfg.run
   for name in ("train_tasks", "heldout_tasks", "unseen_tasks", "eval_samples"):
     _require(getattr(u, name) >= 1, f"run.{name}={getattr(u, name)} must be >= 1")
-  for name in ("pretrain_overrides", "sft_overrides", "rl_overrides", "eval_overrides"):
+  for name in ("pretrain_overrides", "sft_overrides", "anneal_overrides", "rl_overrides",
+               "eval_overrides"):
     _require(all(isinstance(o, str) and "=" in o for o in getattr(u, name)),
              f"run.{name} must be a list of 'section.key=value' strings")
+  _require(u.anneal_steps >= 0, f"run.anneal_steps={u.anneal_steps} must be >= 0 (0 = no anneal phase)")
   _require(u.rl_tasks >= 0, f"run.rl_tasks={u.rl_tasks} must be >= 0 (0 = RL on the SFT tasks)")
   _require(0.0 <= u.expert_recover <= 1.0,
            f"run.expert_recover={u.expert_recover} must be a share of the training tasks in [0, 1]")

@@ -6,9 +6,11 @@
      held-out instances of the training templates, and templates
      no stage trains on
   3. scripted-expert trajectories through the real tools          DIR/sft/trajectories.jsonl
-  4. SFT on them                                                  DIR/sft
+  4. SFT on them (with drills)                                    DIR/sft
+     then, when run.anneal_steps > 0, SFT on the expert chats alone  DIR/anneal
+     (the SFT policy from here on)
   5. evaluation of the SFT policy on the held-out sets            DIR/eval/sft-{heldout,unseen}
-  6. RL on its tasks (rl.async_ picks the Ray loop)               DIR/rl
+  6. RL from it on its tasks (rl.async_ picks the Ray loop)       DIR/rl
   7. evaluation of the RL policy                                  DIR/eval/rl-{heldout,unseen}
 
 Each stage runs with the config plus its ``run.<stage>_overrides`` and leaves ``DONE.json``; with
@@ -29,7 +31,12 @@ import numpy as np
 
 from composer_jax.config import Config, ConfigError, apply_overrides, from_dict
 
-STAGES = ("pretrain", "tasks", "expert", "sft", "eval_sft", "rl", "eval_rl")
+STAGES = ("pretrain", "tasks", "expert", "sft", "anneal", "eval_sft", "rl", "eval_rl")
+
+
+def sft_policy(cfg: Config) -> str:
+  """The stage folder holding the SFT policy that is evaluated and that RL starts from."""
+  return "anneal" if cfg.run.anneal_steps > 0 else "sft"
 
 
 def stage_config(cfg: Config, overrides: list[str]) -> Config:
@@ -77,8 +84,13 @@ class Recipe:
     with open(self.path(".stages", f"{stage}.json"), "w") as f:
       json.dump(info, f, indent=1)
 
-  def stage(self, name: str, fn) -> dict:
+  def stage(self, name: str, fn, policy: str | None = None) -> dict:
+    """Run stage ``name`` unless it is done. ``policy``: the stage folder it reads weights from,
+    recorded, and checked on --resume (a stage done from another SFT policy is not reused)."""
     done = self._done(name)
+    if done is not None and policy is not None and done.get("policy", "sft") != policy:
+      raise ConfigError(f"--resume: stage {name} was done from the {done.get('policy', 'sft')} policy, but "
+                        f"this config's SFT policy is {policy} (run.anneal_steps): use a new --out")
     if done is not None:
       self.log(f"== {name}: done earlier, skipped")
       self.times[name] = done.get("wall_s", 0.0)
@@ -86,6 +98,8 @@ class Recipe:
     self.log(f"== {name}")
     t0 = time.perf_counter()
     info = fn() or {}
+    if policy is not None:
+      info["policy"] = policy
     info["wall_s"] = round(time.perf_counter() - t0, 1)
     self.times[name] = info["wall_s"]
     self._mark(name, info)
@@ -93,12 +107,14 @@ class Recipe:
 
   # -- stages ---------------------------------------------------------------------------------------
 
-  def _train(self, stage: str, overrides: list[str], init: str | None) -> dict:
+  def _train(self, stage: str, overrides: list[str], init: str | None, kind: str | None = None) -> dict:
+    """Train into DIR/stage; ``kind`` is the training loop's stage (its data: "sft" reads chats,
+    "pretrain" the corpus), the folder's name when not given."""
     from composer_jax.train.loop import run
     cfg = stage_config(self.cfg, overrides)
     d = self.path(stage)
     resume = os.path.isdir(os.path.join(d, "checkpoints")) and bool(os.listdir(os.path.join(d, "checkpoints")))
-    last = run(cfg, d, stage=stage, resume=resume, init=None if resume else init)
+    last = run(cfg, d, stage=kind or stage, resume=resume, init=None if resume else init)
     return {"final": {k: v for k, v in last.items() if isinstance(v, (int, float))}}
 
   def _tasks(self) -> dict:
@@ -169,7 +185,8 @@ class Recipe:
     cfg = self.rl_config()
     d = self.path("rl")
     resume = os.path.isdir(os.path.join(d, "checkpoints")) and bool(os.listdir(os.path.join(d, "checkpoints")))
-    last = run_rl(cfg, d, init=None if resume else self.path("sft"), resume=resume, log=self.log)
+    last = run_rl(cfg, d, init=None if resume else self.path(sft_policy(self.cfg)), resume=resume,
+                  log=self.log)
     return {"final": {k: v for k, v in last.items() if isinstance(v, (int, float))}}
 
   def rl_config(self, extra=()) -> Config:
@@ -188,11 +205,14 @@ class Recipe:
     self.stage("pretrain", lambda: self._train("pretrain", r.pretrain_overrides, r.base or None))
     self.stage("tasks", self._tasks)
     self.stage("expert", self._expert)
-    self.stage("sft", lambda: self._train(
-        "sft", [f"data.sft_path={self.path('sft', 'trajectories.jsonl')}"] + list(r.sft_overrides),
-        self.path("pretrain")))
-    ev_sft = self.stage("eval_sft", lambda: self._eval("sft", "sft"))
-    self.stage("rl", self._rl)
+    sft = [f"data.sft_path={self.path('sft', 'trajectories.jsonl')}", *r.sft_overrides]
+    self.stage("sft", lambda: self._train("sft", sft, self.path("pretrain")))
+    if r.anneal_steps > 0:
+      self.stage("anneal", lambda: self._train("anneal", anneal_overrides(self.cfg, sft), self.path("sft"),
+                                               kind="sft"))
+    policy = sft_policy(self.cfg)
+    ev_sft = self.stage("eval_sft", lambda: self._eval(policy, "sft"), policy=policy)
+    self.stage("rl", self._rl, policy=policy)
     ev_rl = self.stage("eval_rl", lambda: self._eval("rl", "rl"))
     summary = {"sft": ev_sft["heldout"], "rl": ev_rl["heldout"],
                "unseen_templates": {"sft": ev_sft["unseen"], "rl": ev_rl["unseen"]},
@@ -204,6 +224,8 @@ class Recipe:
         per_task[tag] = json.load(f)["per_task"]
     summary["rl_minus_sft_paired"] = paired_difference(per_task["sft"], per_task["rl"])
     summary["rl_sft_mix_coef"] = self.rl_config().rl.sft_mix_coef
+    summary["sft_policy"] = policy
+    summary["anneal_steps"] = r.anneal_steps
     with open(self.path("summary.json"), "w") as f:
       json.dump(summary, f, indent=1)
     self._plot(summary)
@@ -230,6 +252,13 @@ class Recipe:
     fig.tight_layout()
     fig.savefig(self.path("score_vs_tokens.png"), dpi=90)
     plt.close(fig)
+
+
+def anneal_overrides(cfg: Config, sft: list[str]) -> list[str]:
+  """The anneal stage: the SFT stage's overrides, then the expert chats alone (no copy or spec
+  drills) for run.anneal_steps steps, then run.anneal_overrides (which win)."""
+  return [*sft, "data.sft_copy_share=0.0", "data.sft_spec_share=0.0",
+          f"train.steps={cfg.run.anneal_steps}", *cfg.run.anneal_overrides]
 
 
 def by_family(tasks: list, per_task: dict) -> dict:
@@ -274,6 +303,9 @@ def table(summary: dict) -> str:
     line += (f", paired 95% CI [{paired['ci95'][0]:+.3f}, {paired['ci95'][1]:+.3f}] over "
              f"{paired['tasks']} tasks")
   lines.append(line)
+  if summary.get("anneal_steps"):
+    lines.append(f"  (SFT: the SFT stage then {summary['anneal_steps']} steps on the expert chats alone, "
+                 "run.anneal_steps)")
   if summary.get("rl_sft_mix_coef"):
     # The RL stage's SFT rows are continued SFT: say so where the difference is read.
     lines.append(f"  (the RL stage also trains on SFT chats, rl.sft_mix_coef={summary['rl_sft_mix_coef']:g}; "
@@ -306,6 +338,7 @@ def _main(args) -> int:
   cfg = load_config(args.config, args.overrides)
   for name in ("sft_overrides", "pretrain_overrides", "eval_overrides"):
     stage_config(cfg, getattr(cfg.run, name))  # a bad stage override fails now, in one line
+  stage_config(cfg, anneal_overrides(cfg, list(cfg.run.sft_overrides)))
   stage_config(cfg, ["rl.sft_mix_path=sft/trajectories.jsonl"] + list(cfg.run.rl_overrides))
   if cfg.run.base:  # before any stage: a wrong base is one line, not a failed pretraining stage
     from composer_jax.train.init import check_base

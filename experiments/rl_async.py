@@ -87,13 +87,13 @@ def main(argv=None) -> int:
   ap.add_argument("--run", default="", help="time the RL stage of this `composer-jax run` directory")
   a = ap.parse_args(argv)
   from composer_jax.config import load_config
-  from composer_jax.recipe import Recipe
+  from composer_jax.recipe import Recipe, sft_policy
   from composer_jax.rl.async_loop import AsyncRLRun
   from composer_jax.rl.loop import RLRun
   root = tempfile.mkdtemp(prefix="rl_async_")
   if a.run:
     base = load_config(os.path.join(a.run, "config.yaml"))
-    init = os.path.join(a.run, "sft")
+    init = os.path.join(a.run, sft_policy(base))
     over = ["rl.dynamic_sampling=false", "rl.curriculum=none", f"rl.steps={a.steps + 1}",
             "checkpoint.every=0", "train.progress=false"]
     recipe = Recipe(base, a.run, resume=True, log=lambda m: None)

@@ -25,7 +25,7 @@ import os
 from composer_jax.config import ConfigError, load_config, validate
 from composer_jax.env import synthetic
 from composer_jax.env.tasks import load_tasks
-from composer_jax.recipe import bootstrap_ci, by_family, paired_difference
+from composer_jax.recipe import bootstrap_ci, by_family, paired_difference, sft_policy
 from composer_jax.rl.loop import eval_run_dir
 from experiments.common import write_result
 
@@ -46,6 +46,7 @@ def fresh_tasks(run: str, n: int, seed: int, out: str) -> list:
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--run", required=True, help="a `composer-jax run` directory")
+  ap.add_argument("--sft", default=None, help="the SFT policy (default: the run's, RUN/anneal or RUN/sft)")
   ap.add_argument("--rl", nargs="+", action="extend", default=None,
                   help="NAME=RL_RUN_DIR ... (repeatable; default: rl=RUN/rl)")
   ap.add_argument("--tasks", type=int, default=300)
@@ -63,7 +64,7 @@ def main() -> None:
   except ConfigError as e:
     raise SystemExit(f"--eval-override: {e}") from None
   tasks = fresh_tasks(args.run, args.tasks, args.seed, os.path.join(args.out, "tasks"))
-  policies = {"sft": os.path.join(args.run, "sft")}
+  policies = {"sft": args.sft or os.path.join(args.run, sft_policy(cfg))}  # as the main job evaluates
   policies.update(dict(x.split("=", 1) for x in args.rl) if args.rl else {"rl": os.path.join(args.run, "rl")})
   evals = {}
   for name, run_dir in policies.items():

@@ -8,13 +8,22 @@ import os
 import numpy as np
 import pytest
 
+from composer_jax.config import ConfigError, load_config
 from composer_jax.env import sandbox
-from composer_jax.recipe import bootstrap_ci, paired_difference, table
+from composer_jax.recipe import (
+  Recipe,
+  anneal_overrides,
+  bootstrap_ci,
+  paired_difference,
+  stage_config,
+  table,
+)
 
 SMALL = ["train.steps=2", "train.eval_every=0", "data.tokenizer_train_mb=1", "data.max_files=200",
          "run.train_tasks=4", "run.rl_tasks=3", "run.heldout_tasks=2", "run.unseen_tasks=2", "run.eval_samples=2",
          ("run.sft_overrides=[data.seq_len=1280,data.batch_size=2,train.steps=2,"
           "data.sft_copy_share=0.25,data.sft_spec_share=0.35]"),
+         "run.anneal_steps=1", "run.anneal_overrides=[optim.lr=2.0e-4,optim.schedule=constant]",
          # the RL switches of configs/tiny.yaml (dynamic sampling, family curriculum, two PPO
          # passes), at a size that runs in seconds
          ("run.rl_overrides=[rl.steps=1,rl.tasks_per_step=2,rl.group_size=2,rl.max_new_tokens=16,"
@@ -61,6 +70,34 @@ def test_table_says_when_the_rl_stage_also_trains_on_sft_chats():
     assert "sft_mix_coef" not in t and "RL - SFT held-out pass@1" in t
 
 
+def test_anneal_stage_trains_on_the_expert_chats_alone_after_the_sft_stage():
+  """The tiny config's anneal: the SFT stage's shape (rows, length), no drills, its own steps and
+  rate; run.anneal_overrides win over the rest."""
+  cfg = load_config("configs/tiny.yaml")
+  sft = ["data.sft_path=T.jsonl", *cfg.run.sft_overrides]
+  a = stage_config(cfg, anneal_overrides(cfg, sft))
+  s = stage_config(cfg, sft)
+  assert (a.data.seq_len, a.data.batch_size, a.data.sft_path) == (s.data.seq_len, s.data.batch_size, "T.jsonl")
+  assert s.data.sft_copy_share > 0 and s.data.sft_spec_share > 0
+  assert a.data.sft_copy_share == 0.0 and a.data.sft_spec_share == 0.0
+  assert a.train.steps == cfg.run.anneal_steps == 44 and s.train.steps == 300
+  assert (a.optim.lr, a.optim.schedule, a.optim.warmup_steps) == (2.0e-4, "constant", 0)
+  cfg = load_config("configs/tiny.yaml", ["run.anneal_overrides=[train.steps=3]"])
+  assert stage_config(cfg, anneal_overrides(cfg, sft)).train.steps == 3
+
+
+def test_resume_refuses_a_stage_done_from_another_sft_policy(tmp_path):
+  """A run directory whose SFT evaluation scored the SFT stage's policy is not silently reused by a
+  config whose SFT policy is the anneal stage's: one line naming the field."""
+  r = Recipe(load_config("configs/tiny.yaml"), str(tmp_path), log=lambda m: None)
+  r._mark("eval_sft", {"heldout": {}, "wall_s": 1.0})  # written before the anneal stage existed
+  with pytest.raises(ConfigError, match="run.anneal_steps"):
+    r.stage("eval_sft", lambda: pytest.fail("must not run"), policy="anneal")
+  assert r.stage("eval_sft", lambda: pytest.fail("must not run"), policy="sft")["wall_s"] == 1.0
+  assert r.stage("rl", lambda: {"x": 1}, policy="anneal")["policy"] == "anneal"
+  assert r._done("rl")["policy"] == "anneal"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sandbox.bwrap_available(), reason="bubblewrap cannot run here")
 def test_main_job_small(tmp_path, capsys):
@@ -80,7 +117,15 @@ def test_main_job_small(tmp_path, capsys):
   paired = s["rl_minus_sft_paired"]
   assert paired["tasks"] == 2 and np.isclose(paired["mean"], s["rl_minus_sft_pass@1"])
   assert paired["ci95"][0] <= paired["mean"] <= paired["ci95"][1]
-  assert set(s["wall_s"]) == {"pretrain", "tasks", "expert", "sft", "eval_sft", "rl", "eval_rl"}
+  assert set(s["wall_s"]) == {"pretrain", "tasks", "expert", "sft", "anneal", "eval_sft", "rl", "eval_rl"}
+  # The anneal stage continued the SFT stage's policy; evaluation and RL started from it.
+  assert s["sft_policy"] == "anneal" and s["anneal_steps"] == 1
+  assert json.loads((out / ".stages" / "eval_sft.json").read_text())["policy"] == "anneal"
+  assert json.loads((out / ".stages" / "rl.json").read_text())["policy"] == "anneal"
+  assert os.listdir(out / "anneal" / "checkpoints") == ["1"]
+  # ... on the chats' assistant tokens (a pretraining batch would make every token a target).
+  anneal = [json.loads(x) for x in (out / "anneal" / "metrics.jsonl").read_text().splitlines()]
+  assert 0 < next(r for r in anneal if "target_tokens" in r)["target_tokens"] < 0.5 * 2 * 1280
   # RL ran on tasks of its own, none of them an SFT task.
   rl_ids = {d for d in os.listdir(out / "tasks" / "rl") if d.startswith("syn-")}
   assert len(rl_ids) == 3 and not rl_ids & set(os.listdir(out / "tasks" / "train"))
@@ -97,9 +142,10 @@ def test_main_job_small(tmp_path, capsys):
   printed = capsys.readouterr().out
   assert "RL - SFT held-out pass@1" in printed and "paired 95% CI" in printed
   assert "held-out family" in printed
+  assert "then 1 steps on the expert chats alone" in printed
   assert s["rl_sft_mix_coef"] == 0.1 and "rl.sft_mix_coef=0.1;" in printed
   # --resume skips every finished stage.
   assert main(["run", "configs/tiny.yaml", "--out", str(out), "--resume", *SMALL]) == 0
-  assert capsys.readouterr().out.count("done earlier, skipped") == 7
+  assert capsys.readouterr().out.count("done earlier, skipped") == 8
   # A non-empty --out without --resume is refused in one line.
   assert main(["run", "configs/tiny.yaml", "--out", str(out), *SMALL]) == 2
