@@ -234,6 +234,9 @@ class RLConfig:
   kl_coef: float = 0.0  # KL to the reference (initial) policy; 0 = off
   loss_agg: Literal["token_mean", "seq_sum"] = "token_mean"
   adv_std_norm: bool = False  # divide group advantages by the group's std
+  # Weight on negative advantages (1 = GRPO; 0 = reinforce only the episodes above their group's
+  # mean, as RAFT / ReST; rl/advantages.py).
+  adv_negative_weight: float = 1.0
   # DAPO dynamic sampling: train on informative groups; draw up to `dynamic_max_rounds`
   # x tasks_per_step groups a step to find tasks_per_step of them (none found: no update).
   dynamic_sampling: bool = False

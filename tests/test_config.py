@@ -51,6 +51,7 @@ def test_base_include_and_overrides():
     ("rl.curriculum_decay=1.0", "rl.curriculum_decay"),
     ("rl.pack_length=-1", "rl.pack_length"),
     ("rl.sft_mix_coef=-0.1", "rl.sft_mix_coef"),
+    ("rl.adv_negative_weight=-0.5", "rl.adv_negative_weight"),
     ("rl.sft_mix_coef=0.1", "rl.sft_mix_path"),
 ])
 def test_bad_values_name_the_field(override, field):

@@ -4,7 +4,11 @@ Each task is rolled out ``rl.group_size`` times; a rollout's advantage is its re
 reward of its group, optionally divided by the group's standard deviation (GRPO). Without the std
 division (Dr. GRPO's choice, our default) easy and hard groups keep their natural scale; with it every
 group with any spread contributes gradients of the same size. A group whose rewards are all equal
-carries no signal and gets advantage 0 exactly. Self-summarized episodes give their episode's
+carries no signal and gets advantage 0 exactly. ``neg_weight`` scales the negative advantages after
+centring: 1 is GRPO; 0 reinforces only the episodes that beat their group's mean (the reward-filtered
+self-training of RAFT / ReST, with a baseline), which sharpens the policy toward its rewarded modes
+and so targets pass@1; between, a weighting in the manner of W-REINFORCE (Zhu et al. 2025, who
+weigh the positive side instead; only the ratio matters to AdamW). Self-summarized episodes give their episode's
 advantage to every segment (ReSum-GRPO): index the result with each segment's episode.
 """
 
@@ -16,10 +20,12 @@ import numpy as np
 from composer_jax.eval.bench import pass_at_k, pass_hat_k
 
 
-def group_advantages(rewards, std_norm: bool = False, eps: float = 1e-6, ddof: int = 1) -> np.ndarray:
+def group_advantages(rewards, std_norm: bool = False, eps: float = 1e-6, ddof: int = 1,
+                     neg_weight: float = 1.0) -> np.ndarray:
   """[n_groups, G] rewards -> [n_groups, G] advantages (float64).
 
-  A = r - mean_g(r), and with ``std_norm`` A / (std_g(r) + eps). The std is the sample std
+  A = r - mean_g(r), and with ``std_norm`` A / (std_g(r) + eps); then each A < 0 times
+  ``neg_weight``. The std is the sample std
   (``ddof=1``, as GRPO implementations compute it with torch.std); a group with std <= eps (all
   rewards equal, or G == 1) gives 0.
   """
@@ -32,6 +38,7 @@ def group_advantages(rewards, std_norm: bool = False, eps: float = 1e-6, ddof: i
   flat = std <= eps
   if std_norm:
     adv = adv / np.where(flat, 1.0, std + eps)
+  adv = np.where(adv < 0, neg_weight * adv, adv)
   return np.where(flat, 0.0, adv)
 
 

@@ -61,7 +61,7 @@ def score_rollouts(rollouts: list, cfg: Config, ks=(1,)) -> dict:
       r.reward, r.parts = episode_reward(graded, hacked, {**stats, **r.counts}, rate, cfg.rl)
       r.parts.update({k: v for k, v in stats.items()})
   rewards = np.array([[rollouts[i].reward for i in g] for g in order])
-  adv = group_advantages(rewards, cfg.rl.adv_std_norm)
+  adv = group_advantages(rewards, cfg.rl.adv_std_norm, neg_weight=cfg.rl.adv_negative_weight)
   flat = np.zeros(len(rollouts))
   for gi, g in enumerate(order):
     flat[g] = adv[gi]

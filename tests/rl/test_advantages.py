@@ -100,3 +100,14 @@ def test_dynamic_sampling_keeps_the_groups_that_teach_something():
   keep, good = L.dynamic_pick(dull, [L.informative(g, cfg) for g in dull], cfg.rl.tasks_per_step)
   assert good == 0 and [g[0].task_id for g in keep] == ["t0", "t2"]
   assert L.split_groups(L.regroup([groups[0], groups[2]]))[1][0].task_id == "t2"
+
+
+def test_negative_weight_scales_only_the_below_mean_episodes():
+  # means 0.5, 1, 0.25: the negative entries times 0.25, the positive ones and flat groups unchanged
+  got = A.group_advantages(R, std_norm=False, neg_weight=0.25)
+  want = [[0.5, -0.125, -0.125, 0.5], [0, 0, 0, 0], [-0.0625, -0.0625, -0.0625, 0.75]]
+  np.testing.assert_allclose(got, want, atol=1e-12)
+  # 0: only the episodes above their group's mean are reinforced; std_norm applies first
+  got = A.group_advantages(R, std_norm=True, eps=0.0, neg_weight=0.0)
+  np.testing.assert_allclose(got, [[0.866025, 0, 0, 0.866025], [0, 0, 0, 0], [0, 0, 0, 1.5]], atol=1e-6)
+  np.testing.assert_array_equal(A.group_advantages(R, neg_weight=1.0), A.group_advantages(R))
