@@ -8,12 +8,14 @@ difference from SFT with a paired bootstrap interval (`recipe.paired_difference`
 family. An evaluation already written under OUT is reused, so more RL policies can be added later.
 
     python -m experiments.rl_heldout_paired --run RUN_DIR [--rl NAME=RL_RUN_DIR ...] [--tasks 300]
-        [--out DIR] [--result NAME] [--eval-override rl.temperature=0.7 ...]
+        [--out DIR] [--result NAME] [--eval-override rl.temperature=0.7 ...] [--compare A:B ...]
 
 RUN_DIR is a `composer-jax run` directory; its own `rl/` is the RL policy named "rl" unless --rl
 names others (e.g. RL-only re-runs from the same SFT policy). ``--eval-override`` adds config
 overrides to every policy's evaluation after the run's own ``run.eval_overrides`` (e.g. a sampling
 temperature); give each setting its own --out, since evaluations are reused by name.
+``--compare A:B`` adds A minus B, paired on the same tasks, for two named policies (e.g. an RL stage
+against its SFT-only control) to the printout and the result's ``comparisons``.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def main() -> None:
   ap.add_argument("--result", default="rl_heldout_paired", help="results/NAME.json to write")
   ap.add_argument("--eval-override", nargs="+", action="extend", default=[],
                   help="config overrides for every evaluation, after run.eval_overrides (repeatable)")
+  ap.add_argument("--compare", nargs="+", action="extend", default=[],
+                  help="A:B ... policy A minus policy B, paired by task (repeatable)")
   args = ap.parse_args()
   run_cfg = os.path.join(args.run, "config.yaml")
   cfg = load_config(run_cfg)
@@ -63,6 +67,11 @@ def main() -> None:
     validate(load_config(run_cfg, overrides))
   except ConfigError as e:
     raise SystemExit(f"--eval-override: {e}") from None
+  names = {"sft", *(x.split("=", 1)[0] for x in args.rl or ["rl=."])}
+  pairs = [c.split(":", 1) for c in args.compare]
+  for c, pair in zip(args.compare, pairs):  # before any task is drawn or evaluated
+    if len(pair) != 2 or not set(pair) <= names:
+      raise SystemExit(f"--compare {c}: give A:B with A and B among the policies {sorted(names)}")
   tasks = fresh_tasks(args.run, args.tasks, args.seed, os.path.join(args.out, "tasks"))
   policies = {"sft": args.sft or os.path.join(args.run, sft_policy(cfg))}  # as the main job evaluates
   policies.update(dict(x.split("=", 1) for x in args.rl) if args.rl else {"rl": os.path.join(args.run, "rl")})
@@ -89,10 +98,14 @@ def main() -> None:
     extra = (f"  RL - SFT {rec['minus_sft']['mean']:+.3f} paired 95% CI [{rec['minus_sft']['ci95'][0]:+.3f}, "
              f"{rec['minus_sft']['ci95'][1]:+.3f}]") if name != "sft" else ""
     print(f"{name:10s} pass@1 {rec['pass@1']:.3f} [{rec['ci95'][0]:.3f}, {rec['ci95'][1]:.3f}]{extra}")
+  comparisons = {}
+  for a, b in pairs:
+    d = comparisons[f"{a}-{b}"] = paired_difference(evals[b]["per_task"], evals[a]["per_task"])
+    print(f"{a} - {b}: {d['mean']:+.3f} paired 95% CI [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]")
   write_result(args.result, {"run": os.path.abspath(args.run), "tasks": len(tasks),
-                                     "samples": cfg.run.eval_samples, "task_seed": args.seed,
-                                     "eval_overrides": overrides,
-                                     "policies": res})
+                             "samples": cfg.run.eval_samples, "task_seed": args.seed,
+                             "eval_overrides": overrides, "policies": res,
+                             "comparisons": comparisons})
 
 
 if __name__ == "__main__":
