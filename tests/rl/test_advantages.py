@@ -111,3 +111,18 @@ def test_negative_weight_scales_only_the_below_mean_episodes():
   got = A.group_advantages(R, std_norm=True, eps=0.0, neg_weight=0.0)
   np.testing.assert_allclose(got, [[0.866025, 0, 0, 0.866025], [0, 0, 0, 0], [0, 0, 0, 1.5]], atol=1e-6)
   np.testing.assert_array_equal(A.group_advantages(R, neg_weight=1.0), A.group_advantages(R))
+
+
+def test_negative_weight_reaches_the_learner_and_keeps_informative_groups():
+  """rl.adv_negative_weight=0: the learner's advantages keep only the above-mean episodes, and
+  dynamic sampling still finds the same groups (a group with two grades has one above its mean)."""
+  from composer_jax.config import load_config
+  from composer_jax.rl import learner as L
+  base = ["rl.tasks_per_step=2", "rl.group_size=3"]
+  cfg = load_config(None, base + ["rl.adv_negative_weight=0.0"])
+  groups = [_group(0, [True] * 3), _group(1, [True, False, True]), _group(2, [False] * 3),
+            _group(3, [False, False, True])]
+  assert [L.informative(g, cfg) for g in groups] == [L.informative(g, load_config(None, base))
+                                                     for g in groups] == [False, True, False, True]
+  stats = L.score_rollouts(L.regroup([groups[1], groups[3]]), cfg)
+  np.testing.assert_allclose(stats["advantages"], [1 / 3, 0, 1 / 3, 0, 0, 2 / 3], atol=1e-12)
