@@ -8,8 +8,9 @@ carries no signal and gets advantage 0 exactly. ``neg_weight`` scales the negati
 centring: 1 is GRPO; 0 reinforces only the episodes that beat their group's mean (the reward-filtered
 self-training of RAFT / ReST, with a baseline), which sharpens the policy toward its rewarded modes
 and so targets pass@1; between, a weighting in the manner of W-REINFORCE (Zhu et al. 2025, who
-weigh the positive side instead; only the ratio matters to AdamW). Self-summarized episodes give their episode's
-advantage to every segment (ReSum-GRPO): index the result with each segment's episode.
+weigh the positive side instead; only the ratio matters to AdamW). Self-summarized episodes give
+their episode's advantage to every segment (ReSum-GRPO): index the result with each segment's
+episode.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ def group_advantages(rewards, std_norm: bool = False, eps: float = 1e-6, ddof: i
   """[n_groups, G] rewards -> [n_groups, G] advantages (float64).
 
   A = r - mean_g(r), and with ``std_norm`` A / (std_g(r) + eps); then each A < 0 times
-  ``neg_weight``. The std is the sample std
-  (``ddof=1``, as GRPO implementations compute it with torch.std); a group with std <= eps (all
-  rewards equal, or G == 1) gives 0.
+  ``neg_weight``. The std is the sample std (``ddof=1``, as GRPO implementations compute it with
+  torch.std); a group with std <= eps (all rewards equal, or G == 1) gives 0.
   """
   r = np.asarray(rewards, dtype=np.float64)
   if r.ndim != 2:
