@@ -99,8 +99,8 @@ def validate(cfg: Config) -> None:
   _require(r.ppo_clip_high >= 0, f"rl.ppo_clip_high={r.ppo_clip_high} must be >= 0")
   _require(r.is_clip > 1, f"rl.is_clip={r.is_clip} must be > 1 (the weight cap; 2 is the usual choice)")
   for name in ("kl_coef", "adv_negative_weight", "length_penalty", "length_k", "length_q",
-               "feedback_kl_coef", "max_hints", "penalty_malformed_call", "penalty_unknown_tool", "penalty_repeated_command",
-               "penalty_no_call_turn", "length_w_reasoning", "length_w_tool_call",
+               "feedback_kl_coef", "max_hints", "penalty_malformed_call", "penalty_unknown_tool",
+               "penalty_repeated_command", "penalty_no_call_turn", "length_w_reasoning", "length_w_tool_call",
                "length_w_tool_output", "length_w_final", "length_w_calls", "length_w_turns"):
     _require(getattr(r, name) >= 0, f"rl.{name}={getattr(r, name)} must be >= 0")
   _require(r.length_ref > 0, f"rl.length_ref={r.length_ref} must be > 0 (the x where the penalty = coef)")
