@@ -67,14 +67,13 @@ def main() -> None:
     validate(load_config(run_cfg, overrides))
   except ConfigError as e:
     raise SystemExit(f"--eval-override: {e}") from None
-  names = {"sft", *(x.split("=", 1)[0] for x in args.rl or ["rl=."])}
-  pairs = [c.split(":", 1) for c in args.compare]
-  for c, pair in zip(args.compare, pairs):  # before any task is drawn or evaluated
-    if len(pair) != 2 or not set(pair) <= names:
-      raise SystemExit(f"--compare {c}: give A:B with A and B among the policies {sorted(names)}")
-  tasks = fresh_tasks(args.run, args.tasks, args.seed, os.path.join(args.out, "tasks"))
   policies = {"sft": args.sft or os.path.join(args.run, sft_policy(cfg))}  # as the main job evaluates
   policies.update(dict(x.split("=", 1) for x in args.rl) if args.rl else {"rl": os.path.join(args.run, "rl")})
+  pairs = [c.split(":", 1) for c in args.compare]
+  for c, pair in zip(args.compare, pairs):  # before any task is drawn or evaluated
+    if len(pair) != 2 or not set(pair) <= set(policies):
+      raise SystemExit(f"--compare {c}: give A:B with A and B among the policies {sorted(policies)}")
+  tasks = fresh_tasks(args.run, args.tasks, args.seed, os.path.join(args.out, "tasks"))
   evals = {}
   for name, run_dir in policies.items():
     path = os.path.join(args.out, name, "summary.json")
