@@ -63,10 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 def compile_cache_env(environ) -> None:
   """JAX's persistent compilation cache for every command, unless JAX_COMPILATION_CACHE_DIR is set
   ('' turns it off). The main job's stages and rollout workers compile the same sampler shapes:
-  evaluating 16 episodes took 44 s with a cold cache and 21 s warm (docs/rl.md). Env vars, so they
-  must be set before jax is imported (the handlers import it). One folder per jaxlib version and
-  host CPU: XLA:CPU entries hold code for the CPU that compiled them, and a home folder shared by
-  other machines, or a jaxlib reinstalled in place, must not be served them."""
+  evaluating 16 episodes took 44 s with a cold cache and 21 s warm (docs/rl_tiny.md). Env vars, so
+  they must be set before jax is imported (the handlers import it). One folder per jaxlib version
+  and host CPU: XLA:CPU entries hold code for the CPU that compiled them, and a home folder shared
+  by other machines, or a jaxlib reinstalled in place, must not be served them."""
   if "JAX_COMPILATION_CACHE_DIR" not in environ:
     base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(base, "composer_jax", "xla", _host_key())

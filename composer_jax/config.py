@@ -318,7 +318,7 @@ class RunConfig:
   unseen_tasks: int = 20  # templates that no stage trains on (reported in their own row)
   # RL's own tasks: fresh instances of the training templates, none of them an SFT task. On the
   # SFT tasks the policy recalls memorised solutions, and RL's reward then pays for recall, not for
-  # skills that carry to held-out tasks (docs/rl.md). 0: RL reuses the SFT tasks.
+  # skills that carry to held-out tasks (docs/rl_tiny.md, stop 27). 0: RL reuses the SFT tasks.
   rl_tasks: int = 200
   # A share of the training tasks whose expert run is a recovery run instead of a sound one
   # (env/expert.py): a flawed edit (not trained on), the failing tests, the fix. SFT learns to act

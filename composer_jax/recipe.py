@@ -309,7 +309,7 @@ def table(summary: dict) -> str:
   if summary.get("rl_sft_mix_coef"):
     # The RL stage's SFT rows are continued SFT: say so where the difference is read.
     lines.append(f"  (the RL stage also trains on SFT chats, rl.sft_mix_coef={summary['rl_sft_mix_coef']:g}; "
-                 "RL - SFT includes their effect, measured apart in docs/rl.md, \"Stop 38\")")
+                 "RL - SFT includes their effect, measured apart in docs/rl_gain.md, \"Stop 38\")")
   lines.append("wall time: " + ", ".join(f"{k} {v:.0f}s" for k, v in summary["wall_s"].items())
                + f" (total {summary['total_wall_s']:.0f}s)")
   return "\n".join(lines)

@@ -15,8 +15,9 @@ per task before and after RL: how far RL moved the decision, free of sampling no
 Why top-p 0.9: at temperature 1 over the whole vocabulary, the memorised policy still puts ~0.3 % of
 each token's mass on its tail, so ~40 % of 140-token episodes take one tail token and derail into
 malformed calls. Those junk turns dominate the negative advantages and their gradient erodes the
-sound path: measured with top_p=1 (docs/rl.md), RL raised the decision gap from 0.06 to 1.2-1.7 nats
-while the sound run's log p fell from -1.25 to -1.8/-2.7, and the pass rate stayed at 0.44-0.56.
+sound path: measured with top_p=1 (docs/rl_tiny.md), RL raised the decision gap from 0.06 to 1.2-1.7
+nats while the sound run's log p fell from -1.25 to -1.8/-2.7, and the pass rate stayed at
+0.44-0.56.
 
     python -m experiments.rl_learns            # 2 tasks, 150 SFT steps, 8 RL steps of 2 x 16 rollouts
 """
@@ -142,7 +143,7 @@ def main() -> None:
   ap.add_argument("--tasks", type=int, default=2)
   ap.add_argument("--sft-steps", type=int, default=150)
   ap.add_argument("--rl-steps", type=int, default=8)
-  ap.add_argument("--group-size", type=int, default=16)  # 8 is too noisy: docs/rl.md
+  ap.add_argument("--group-size", type=int, default=16)  # 8 is too noisy: docs/rl_tiny.md
   ap.add_argument("--rl-tasks", type=int, default=0, help="RL on the first N SFT tasks only (0 = all)")
   ap.add_argument("--lr", type=float, default=1e-4)
   ap.add_argument("--top-p", type=float, default=0.9)

@@ -56,8 +56,8 @@ def test_paired_difference_is_per_task_and_narrower_than_the_unpaired_spread():
 
 
 def test_table_says_when_the_rl_stage_also_trains_on_sft_chats():
-  """RL - SFT of a stage with SFT rows includes continued SFT (docs/rl.md, "Stop 36"): the table
-  says so under the difference, and says nothing when the stage has none."""
+  """RL - SFT of a stage with SFT rows includes continued SFT (docs/rl_gain.md, "Stop 36"): the
+  table says so under the difference, and says nothing when the stage has none."""
   part = {"tasks": 2, "samples": 2, "pass@1": 0.5, "ci95": [0.0, 1.0], "pass@2": 0.5,
           "mean_completion_tokens": 9.0}
   s = {"sft": part, "rl": part, "unseen_templates": {"sft": part, "rl": part}, "rl_minus_sft_pass@1": 0.0,

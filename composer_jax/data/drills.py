@@ -4,8 +4,8 @@ An agent's calls are mostly copies: the file name from the task, the old text of
 file it just viewed, the new text from the task. The scripted-expert trajectories teach the format of
 those calls, but with 200 of them over 20 module names a small model lowers its loss faster by
 remembering which names go together than by reading the prompt, and SFT overwrote the copying a base
-had learned (docs/rl.md, "Copying in code tokens"). A drill asks for one edit to a file whose name
-and lines are fresh code from the corpus, so only copying predicts its calls:
+had learned (docs/tiny_base.md, "Copying in code tokens"). A drill asks for one edit to a file whose
+name and lines are fresh code from the corpus, so only copying predicts its calls:
 
   user       Line 3 of `sock_opts.py` should read `    self.running = False`. Edit it.
   assistant  view(sock_opts.py)
@@ -16,8 +16,8 @@ and lines are fresh code from the corpus, so only copying predicts its calls:
 
 The observations are the real tools' output (a ToolBox over a temporary workspace), and the replies
 are tool calls like the expert's, so drills teach copying without a second reply format (plain-text
-copy chats made the policy write broken calls; docs/rl.md). ``data.sft_copy_share`` mixes them into
-SFT; they draw from the first source's training split only.
+copy chats made the policy write broken calls; docs/tiny_base.md). ``data.sft_copy_share`` mixes
+them into SFT; they draw from the first source's training split only.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def spec_drills(n: int, seed: int = 0, system: str | None = None, levels: tuple 
 
   The expert trajectories hold about 17 instances of each such family, too few for a small model to
   learn that "p times 3, plus v" is ``p * 3 + v`` rather than a copy of the neighbouring function
-  (docs/rl.md, "Spec drills"). A drill is the expert's plan for a fresh instance (view, then
+  (docs/rl_tiny.md, "Spec drills"). A drill is the expert's plan for a fresh instance (view, then
   ``env.expert.edit_calls`` per file, then submit) with the real tools' observations; it runs no
   command, so it skips the test run. Instances come from the training split only (the held-out
   split, by content hash, never), drawn under a seed of their own.

@@ -120,8 +120,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
   The tags are ordinary (non-special) added tokens: the corpus never holds them, so BPE would split
   ``<tool_call name="view">`` into ~9 code fragments, and a small policy sampling those fragments
-  mixed them into calls like ``</toold>`` (docs/rl.md, "Tool-call tags as tokens"). As one token each
-  the call's frame is one choice per tag. They decode to their text and count their bytes.
+  mixed them into calls like ``</toold>`` (docs/tiny_base.md, "Tool-call tags as tokens"). As one
+  token each the call's frame is one choice per tag. They decode to their text and count their
+  bytes.
   """
   tags = tool_tags()  # (below 12 + 256 + 35 tokens BPE keeps the bytes and the total is larger)
   tok = tokenizers.Tokenizer(models.BPE())

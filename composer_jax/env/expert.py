@@ -6,7 +6,7 @@ views it, then makes each changed block with one call: lines added between exist
 the block as the file shows it, widened by neighbouring lines until it occurs once); then it runs the
 tests with the terminal tool and submits. ``insert`` copies nothing from the file: a
 ``str_replace`` that adds a line must copy a neighbour into both <old> and <new>, and those copies
-were where the tiny SFT policy failed the two-file tasks (docs/rl.md, "Inserts, not replaces").
+were where the tiny SFT policy failed the two-file tasks (docs/rl_tiny.md, "Inserts, not replaces").
 Every turn is tool calls only, in the same order for every task, so a small model can imitate it.
 ``expert_trajectories`` runs it through ``run_episode`` (prompts, observations and grading are
 exactly the environment's) and keeps what grades 1.0.
@@ -14,7 +14,7 @@ exactly the environment's) and keeps what grades 1.0.
 ``flawed=N`` also writes N *flawed* runs per task: the same plan with one operator or constant of
 one edit changed (``flaw``), graded by the same grader and kept only when it fails. SFT on a mix of
 sound and flawed demonstrations gives a policy that makes the right edit only some of the time,
-which is what RL is for: the reward tells the two apart and nothing else does (docs/rl.md).
+which is what RL is for: the reward tells the two apart and nothing else does (docs/rl_tiny.md).
 
 ``recover`` (a share of the tasks) writes *recovery* runs in place of their sound runs: the flawed
 plan, the failing test run, then the repair, the tests again and submit. The repair (``recover_by``)
@@ -23,8 +23,8 @@ is the fix of the flawed lines (``edit_calls`` from the flawed file to the refer
 flawed edit's turn is marked ``"train": false`` (``chat.render_segments`` leaves it out of the
 loss), so SFT teaches what to do after a failing test and never the flaw. The plain expert passes
 its tests at once, and a policy trained only on it submitted after a failing run every time
-(docs/rl.md, "Recovery runs"). With recovery runs the tiny policy retries, but its retries almost
-never succeed (docs/rl.md, "Recovery runs again"), so the tiny config leaves them off.
+(docs/rl_tiny.md, "Recovery runs"). With recovery runs the tiny policy retries, but its retries
+almost never succeed (docs/rl_tiny.md, "Recovery runs again"), so the tiny config leaves them off.
 """
 
 from __future__ import annotations

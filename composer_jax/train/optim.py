@@ -122,8 +122,8 @@ def skip_zero_grads(tx: optax.GradientTransformation) -> optax.GradientTransform
   An RL batch whose groups each scored alike (all solved or all failed) has advantage 0 on every
   token, so its gradient is 0. AdamW would still step: m/sqrt(v) decays by only b1/sqrt(b2) (0.92
   at 0.9/0.95) per zero step, so a solved batch pushed the policy on along the last direction at
-  ~92 % of a real step, overshooting into derailed episodes (docs/rl.md, "Zero-gradient steps").
-  Skipping keeps the moments and the step count (so the schedule) as they were. The state's
+  ~92 % of a real step, overshooting into derailed episodes (docs/rl_tiny.md, "Zero-gradient
+  steps"). Skipping keeps the moments and the step count (so the schedule) as they were. The state's
   structure is ``tx``'s own: checkpoints are unchanged.
   """
 

@@ -6,10 +6,10 @@ pass rate of some two consecutive later steps beats the first step's by 0.2 (or 
 teacher-forced (no sampling noise), RL moved the task's choice between the right and the wrong fix
 towards the right one while the sound run itself did not lose probability.
 
-Why one RL task of 16 rollouts (docs/rl.md, "Does it learn?"). With 2 tasks x 8 rollouts runs dipped
-at their end (0.94 -> 0.38) or never climbed (0.44, 0.31, 0.69, 0.38, 0.50, 0.38 in one CI run);
-2 x 16 climbed from one SFT policy and not from another (0.38 ... 0.44). The tiny model does not
-keep the two tasks apart: RL that raised ``p + 3 + 5`` in one task made the other write
+Why one RL task of 16 rollouts (docs/rl_tiny.md, "Does it learn?"). With 2 tasks x 8 rollouts runs
+dipped at their end (0.94 -> 0.38) or never climbed (0.44, 0.31, 0.69, 0.38, 0.50, 0.38 in one CI
+run); 2 x 16 climbed from one SFT policy and not from another (0.38 ... 0.44). The tiny model does
+not keep the two tasks apart: RL that raised ``p + 3 + 5`` in one task made the other write
 ``b - 4 + 5`` for its ``b - 4 + y`` (9 of 16 rollouts at its last step), and pushing a wrong fix
 down lifts a third continuation that derails. On that same SFT policy, RL on one task climbed 0.38
 -> 0.88 in 8 steps.
@@ -42,7 +42,7 @@ def test_rl_raises_the_training_reward_after_sft(tmp_path):
   best_pair = max((passes[i] + passes[i + 1]) / 2 for i in range(1, len(passes) - 1))
   assert best_pair >= min(passes[0] + 0.2, 0.85), (passes, reward)
   # A step whose 16 rollouts all passed (or all failed) has gradient 0: no update (AdamW's momentum
-  # alone used to carry a solved policy on past its optimum and derail it; docs/rl.md).
+  # alone used to carry a solved policy on past its optimum and derail it; docs/rl_tiny.md).
   for s in steps:
     if s["pass_rate"] in (0.0, 1.0) and s["reward_mean"] in (0.0, 1.0):
       assert s["update_skipped"] == 1, s

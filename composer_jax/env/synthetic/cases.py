@@ -4,7 +4,7 @@ A step is ``("stmt", code)`` or ``("check", expr)``; a step list is one test cas
 picks cases on which the starting code and the reference disagree (so the tests fail before the
 change); ``hidden_steps`` adds cases that also catch each near miss of the reference
 (``near_misses``, ``mutants``): without them a third of the level-3 tasks passed with a slip such
-as ``<`` for ``<=``, and RL would be paid for it (docs/rl.md, "Hidden tests that catch slips").
+as ``<`` for ``<=``, and RL would be paid for it (docs/rl_tiny.md, "Hidden tests that catch slips").
 """
 
 from __future__ import annotations
