@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from composer_jax.config import Config, ConfigError, apply_overrides, from_dict
+from composer_jax.eval.bench import pass_at_k
 
 STAGES = ("pretrain", "tasks", "expert", "sft", "anneal", "eval_sft", "rl", "eval_rl")
 
@@ -53,13 +54,14 @@ def bootstrap_ci(per_task: list[float], n_boot: int = 2000, seed: int = 0) -> tu
   return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def paired_difference(before: dict, after: dict) -> dict:
+def paired_difference(before: dict, after: dict, k: int = 1) -> dict:
   """RL minus SFT on the tasks both evaluated (``per_task`` of eval summaries: {id: {"c", "n"}}):
-  the mean per-task difference of pass@1 and its paired 95 % interval. Pairing removes the spread
-  between tasks (a hard task is hard for both policies), so the interval is narrower than the two
-  policies' own intervals suggest."""
+  the mean per-task difference of pass@k (unbiased, from each task's c of n samples; c / n at k = 1)
+  and its paired 95 % interval. Pairing removes the spread between tasks (a hard task is hard for
+  both policies), so the interval is narrower than the two policies' own intervals suggest."""
   ids = sorted(set(before) & set(after))
-  d = [after[i]["c"] / after[i]["n"] - before[i]["c"] / before[i]["n"] for i in ids]
+  d = [pass_at_k(after[i]["n"], after[i]["c"], k) - pass_at_k(before[i]["n"], before[i]["c"], k)
+       for i in ids]
   lo, hi = bootstrap_ci(d)
   return {"mean": float(np.mean(d)) if d else float("nan"), "ci95": [lo, hi], "tasks": len(ids)}
 

@@ -9,13 +9,17 @@ family. An evaluation already written under OUT is reused, so more RL policies c
 
     python -m experiments.rl_heldout_paired --run RUN_DIR [--rl NAME=RL_RUN_DIR ...] [--tasks 300]
         [--out DIR] [--result NAME] [--eval-override rl.temperature=0.7 ...] [--compare A:B ...]
+        [--samples N]
 
 RUN_DIR is a `composer-jax run` directory; its own `rl/` is the RL policy named "rl" unless --rl
 names others (e.g. RL-only re-runs from the same SFT policy). ``--eval-override`` adds config
 overrides to every policy's evaluation after the run's own ``run.eval_overrides`` (e.g. a sampling
 temperature); give each setting its own --out, since evaluations are reused by name.
 ``--compare A:B`` adds A minus B, paired on the same tasks, for two named policies (e.g. an RL stage
-against its SFT-only control) to the printout and the result's ``comparisons``.
+against its SFT-only control) to the printout and the result's ``comparisons``. ``--samples N``
+(default: the run's ``run.eval_samples``) samples each task N times, and every policy and comparison
+is then also given at pass@k for k = 2, 4, ... up to N (unbiased, from each task's c of N): whether
+RL's sharpening costs coverage at larger k. Give each N its own --out.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ import argparse
 import json
 import os
 
+import numpy as np
+
 from composer_jax.config import ConfigError, load_config, validate
 from composer_jax.env import synthetic
 from composer_jax.env.tasks import load_tasks
+from composer_jax.eval.bench import pass_at_k
 from composer_jax.recipe import bootstrap_ci, by_family, paired_difference, sft_policy
 from composer_jax.rl.loop import eval_run_dir
 from experiments.common import write_result
@@ -59,6 +66,8 @@ def main() -> None:
                   help="config overrides for every evaluation, after run.eval_overrides (repeatable)")
   ap.add_argument("--compare", nargs="+", action="extend", default=[],
                   help="A:B ... policy A minus policy B, paired by task (repeatable)")
+  ap.add_argument("--samples", type=int, default=None,
+                  help="samples per task (default: the run's run.eval_samples)")
   args = ap.parse_args()
   run_cfg = os.path.join(args.run, "config.yaml")
   cfg = load_config(run_cfg)
@@ -69,6 +78,10 @@ def main() -> None:
     raise SystemExit(f"--eval-override: {e}") from None
   policies = {"sft": args.sft or os.path.join(args.run, sft_policy(cfg))}  # as the main job evaluates
   policies.update(dict(x.split("=", 1) for x in args.rl) if args.rl else {"rl": os.path.join(args.run, "rl")})
+  samples = args.samples or cfg.run.eval_samples
+  if samples < 1:
+    raise SystemExit(f"--samples {samples}: give at least 1")
+  ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= samples} | {samples})
   pairs = [c.split(":", 1) for c in args.compare]
   for c, pair in zip(args.compare, pairs):  # before any task is drawn or evaluated
     if len(pair) != 2 or not set(pair) <= set(policies):
@@ -78,10 +91,12 @@ def main() -> None:
   for name, run_dir in policies.items():
     path = os.path.join(args.out, name, "summary.json")
     if not os.path.exists(path):
-      eval_run_dir(run_dir, tasks, cfg.run.eval_samples, os.path.join(args.out, name),
-                   overrides, log=lambda m: None)
+      eval_run_dir(run_dir, tasks, samples, os.path.join(args.out, name), overrides, log=lambda m: None)
     with open(path) as f:
       evals[name] = json.load(f)
+    if evals[name]["samples_per_task"] != samples:
+      raise SystemExit(f"--samples {samples}: {path} holds {evals[name]['samples_per_task']} samples a "
+                       "task; give this --samples its own --out")
   sft = evals["sft"]["per_task"]
   sft_fam = by_family(tasks, sft)
   res = {}
@@ -89,20 +104,28 @@ def main() -> None:
     rec = {"policy": policies[name], "pass@1": s["pass@1"],
            "ci95": list(bootstrap_ci([v["c"] / v["n"] for v in s["per_task"].values()])),
            "by_family": by_family(tasks, s["per_task"])}
+    for k in ks[1:]:
+      rec[f"pass@{k}"] = float(np.mean([pass_at_k(v["n"], v["c"], k) for v in s["per_task"].values()]))
     if name != "sft":
       rec["minus_sft"] = paired_difference(sft, s["per_task"])
+      for k in ks[1:]:
+        rec[f"minus_sft_pass@{k}"] = paired_difference(sft, s["per_task"], k)
       rec["minus_sft_by_family"] = {fam: round(rec["by_family"][fam]["pass@1"] - f["pass@1"], 4)
                                     for fam, f in sft_fam.items()}
     res[name] = rec
     extra = (f"  RL - SFT {rec['minus_sft']['mean']:+.3f} paired 95% CI [{rec['minus_sft']['ci95'][0]:+.3f}, "
              f"{rec['minus_sft']['ci95'][1]:+.3f}]") if name != "sft" else ""
-    print(f"{name:10s} pass@1 {rec['pass@1']:.3f} [{rec['ci95'][0]:.3f}, {rec['ci95'][1]:.3f}]{extra}")
+    more = "".join(f"  pass@{k} {rec[f'pass@{k}']:.3f}" for k in ks[1:])
+    print(f"{name:10s} pass@1 {rec['pass@1']:.3f} [{rec['ci95'][0]:.3f}, {rec['ci95'][1]:.3f}]{more}{extra}")
   comparisons = {}
   for a, b in pairs:
-    d = comparisons[f"{a}-{b}"] = paired_difference(evals[b]["per_task"], evals[a]["per_task"])
-    print(f"{a} - {b}: {d['mean']:+.3f} paired 95% CI [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]")
+    for k in ks:
+      d = paired_difference(evals[b]["per_task"], evals[a]["per_task"], k)
+      comparisons[f"{a}-{b}" + (f"@{k}" if k > 1 else "")] = d
+      print(f"{a} - {b}{f' at pass@{k}' if k > 1 else ''}: {d['mean']:+.3f} paired 95% CI "
+            f"[{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]")
   write_result(args.result, {"run": os.path.abspath(args.run), "tasks": len(tasks),
-                             "samples": cfg.run.eval_samples, "task_seed": args.seed,
+                             "samples": samples, "task_seed": args.seed,
                              "eval_overrides": overrides, "policies": res,
                              "comparisons": comparisons})
 

@@ -55,6 +55,15 @@ def test_paired_difference_is_per_task_and_narrower_than_the_unpaired_spread():
   assert hi - lo > 2 * (p["ci95"][1] - p["ci95"][0])
 
 
+def test_paired_difference_at_k_uses_the_unbiased_estimator_per_task():
+  """One task, 4 samples: 1 solved before, 2 after. pass@1 is c / n (0.25 -> 0.5); pass@2 is
+  1 - C(n-c, 2) / C(n, 2): 1 - 3/6 = 0.5 before, 1 - 1/6 = 5/6 after; pass@4 is 1 for both."""
+  before, after = {"t": {"c": 1, "n": 4}}, {"t": {"c": 2, "n": 4}}
+  assert paired_difference(before, after)["mean"] == pytest.approx(0.25)
+  assert paired_difference(before, after, 2)["mean"] == pytest.approx(5 / 6 - 0.5)
+  assert paired_difference(before, after, 4)["mean"] == pytest.approx(0.0)
+
+
 def test_table_says_when_the_rl_stage_also_trains_on_sft_chats():
   """RL - SFT of a stage with SFT rows includes continued SFT (docs/rl_gain.md, "Stop 36"): the
   table says so under the difference, and says nothing when the stage has none."""
