@@ -78,9 +78,17 @@ def main() -> None:
     raise SystemExit(f"--eval-override: {e}") from None
   policies = {"sft": args.sft or os.path.join(args.run, sft_policy(cfg))}  # as the main job evaluates
   policies.update(dict(x.split("=", 1) for x in args.rl) if args.rl else {"rl": os.path.join(args.run, "rl")})
-  samples = args.samples or cfg.run.eval_samples
+  samples = cfg.run.eval_samples if args.samples is None else args.samples
   if samples < 1:
     raise SystemExit(f"--samples {samples}: give at least 1")
+  for name in policies:  # an evaluation reused from OUT must have this many samples a task
+    path = os.path.join(args.out, name, "summary.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        held = json.load(f)["samples_per_task"]
+      if held != samples:
+        raise SystemExit(f"--samples {samples}: {path} holds {held} samples a task; give this "
+                         "--samples its own --out")
   ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= samples} | {samples})
   pairs = [c.split(":", 1) for c in args.compare]
   for c, pair in zip(args.compare, pairs):  # before any task is drawn or evaluated
@@ -94,9 +102,6 @@ def main() -> None:
       eval_run_dir(run_dir, tasks, samples, os.path.join(args.out, name), overrides, log=lambda m: None)
     with open(path) as f:
       evals[name] = json.load(f)
-    if evals[name]["samples_per_task"] != samples:
-      raise SystemExit(f"--samples {samples}: {path} holds {evals[name]['samples_per_task']} samples a "
-                       "task; give this --samples its own --out")
   sft = evals["sft"]["per_task"]
   sft_fam = by_family(tasks, sft)
   res = {}
