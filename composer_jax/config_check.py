@@ -59,9 +59,11 @@ def validate(cfg: Config) -> None:
   _require(0.0 <= d.heldout_fraction < 1.0, "data.heldout_fraction must be in [0, 1)")
   _require(0.0 <= d.sft_copy_share < 1.0, f"data.sft_copy_share={d.sft_copy_share} must be in [0, 1) "
            "(the share of SFT chats that are edit drills)")
-  _require(0.0 <= d.sft_spec_share and d.sft_copy_share + d.sft_spec_share < 1.0,
-           f"data.sft_spec_share={d.sft_spec_share} must be >= 0 and, with data.sft_copy_share="
-           f"{d.sft_copy_share}, sum below 1 (the shares of SFT chats that are drills)")
+  _require(0.0 <= d.sft_spec_share and 0.0 <= d.sft_word_share
+           and d.sft_copy_share + d.sft_spec_share + d.sft_word_share < 1.0,
+           f"data.sft_spec_share={d.sft_spec_share} and data.sft_word_share={d.sft_word_share} must "
+           f"be >= 0 and, with data.sft_copy_share={d.sft_copy_share}, sum below 1 (the shares of SFT "
+           "chats that are drills)")
   _require(d.tokenizer_train_mb > 0, "data.tokenizer_train_mb must be positive (e.g. 8)")
 
   mesh = cfg.mesh

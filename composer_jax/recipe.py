@@ -257,9 +257,9 @@ class Recipe:
 
 
 def anneal_overrides(cfg: Config, sft: list[str]) -> list[str]:
-  """The anneal stage: the SFT stage's overrides, then the expert chats alone (no copy or spec
-  drills) for run.anneal_steps steps, then run.anneal_overrides (which win)."""
-  return [*sft, "data.sft_copy_share=0.0", "data.sft_spec_share=0.0",
+  """The anneal stage: the SFT stage's overrides, then the expert chats alone (no drills) for
+  run.anneal_steps steps, then run.anneal_overrides (which win)."""
+  return [*sft, "data.sft_copy_share=0.0", "data.sft_spec_share=0.0", "data.sft_word_share=0.0",
           f"train.steps={cfg.run.anneal_steps}", *cfg.run.anneal_overrides]
 
 

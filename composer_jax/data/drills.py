@@ -22,6 +22,8 @@ them into SFT; they draw from the first source's training split only.
 
 from __future__ import annotations
 
+import builtins
+import keyword
 import os
 import random
 import re
@@ -121,4 +123,65 @@ def spec_drills(n: int, seed: int = 0, system: str | None = None, levels: tuple 
         edits = edit_calls(inst.files[rel], inst.gold[rel])
         turns += [[("view", {"path": rel})], [(tool, {"path": rel, **args}) for tool, args in edits]]
       out.append(_chat(tools, system, inst.prompt, turns + [[("submit", {})]]))
+  return out
+
+
+def word_drills(texts: list[str], n: int, seed: int = 0, system: str | None = None) -> list[list[dict]]:
+  """``n`` chats that implement one function whose docstring says in words what it returns, in the
+  phrases of the templates' level-2/3 specs: an arithmetic chain over every operator ("t modulo 9",
+  "p times 3, plus v") or a condition ("the items of xs that are at most 4", "a if a is greater
+  than b, else ...").
+
+  The expert trajectories and spec drills state each operator and comparison phrase only 9-21
+  times, and the policy wrote ``>`` for every comparison and ``-`` for "modulo" (docs/rl_gain.md,
+  "Stop 39"). A word drill is one short view / edit / submit, so hundreds fit in a few SFT rows and
+  each phrase is read, then written, hundreds of times. Module and function names are identifiers
+  from ``texts`` (never the templates' vocabulary), so no drill's file is a task's file, held-out
+  ones included. Three in five are conditions (the level-3 families', which the policy learned least),
+two in five operator chains; half the files hold a helper with a literal docstring beside the
+target, as the level-2 tasks do.
+  """
+  from composer_jax.env.expert import edit_calls
+  from composer_jax.env.synthetic import templates as T
+  taken = {*T.MODULES, *T.CONST_MODULES, *T.LISTS, *T.SCALARS, *dir(builtins),
+           *(f"{v}_{n}" for v in T.VERBS for n in T.NOUNS)}
+  idents = sorted({m for t in texts for m in _IDENT.findall(t)
+                   if len(m) <= 24 and not keyword.iskeyword(m) and m not in taken
+                   and not m.startswith("test")})
+  if len(idents) < 3:
+    raise ValueError("word drills: the corpus has fewer than 3 identifiers to name files and functions")
+  rng = random.Random(f"word-drills/{seed}")
+  out = []
+  with tempfile.TemporaryDirectory(prefix="cj-word-") as root:
+    while len(out) < n:
+      mod, fn, helper = rng.sample(idents, 3)
+      names = T.Names(rng)
+      if rng.random() < 0.6:  # a condition: the level-3 families' phrases, the least learned
+        doc = ""
+        while not any(p in doc for p in T.CMPS.values()):
+          names = T.Names(rng)
+          args, doc, body = T.logic_spec(rng, names)
+      else:
+        args = [names.pick(T.SCALARS) for _ in range(rng.choice([1, 2]))]
+        chain = T.arith(rng, args, 1 if len(args) == 2 else rng.choice([1, 2]), hard=True)
+        doc, body = T.arith_doc(chain, words=True), [f"return {T.expr_text(chain)}"]
+      blocks = [T.function_src(fn, args, doc, T.TODO), T.function_src(fn, args, doc, body)]
+      if rng.random() < 0.5:
+        h_args = [names.pick(T.SCALARS)]
+        chain = T.arith(rng, h_args, 1)
+        src = T.function_src(helper, h_args, T.arith_doc(chain, False), [f"return {T.expr_text(chain)}"])
+        first = rng.random() < 0.5
+        blocks = [[src, b] if first else [b, src] for b in blocks]
+      else:
+        blocks = [[b] for b in blocks]
+      before, after = (T.module(*b) for b in blocks)
+      ws = os.path.join(root, str(len(out)))
+      os.makedirs(ws)
+      tools = ToolBox(Sandbox(ws))
+      path = f"{mod}.py"
+      tools.execute(ToolCall("create", {"path": path, "content": before}))
+      turns = [[("view", {"path": path})],
+               [(tool, {"path": path, **a}) for tool, a in edit_calls(before, after)], [("submit", {})]]
+      prompt = f"Implement `{fn}` in `{path}` as its docstring says. {T.TEST_RUN}"
+      out.append(_chat(tools, system, prompt, turns))
   return out

@@ -1,15 +1,19 @@
 """Edit drills: every argument of their calls is a copy of the chat's own text, and the real tools
 accept the calls; they come only from the texts they are given. Spec drills: the expert's calls on
-fresh training-split instances, which replayed give the reference solution."""
+fresh training-split instances, which replayed give the reference solution. Word drills: one edit
+whose function does what an independent reading of its docstring's words says."""
 
 from __future__ import annotations
 
+import inspect
+import operator
+import random
 import re
 
 import pytest
 
 from composer_jax.data import chat, sources
-from composer_jax.data.drills import edit_drills, spec_drills
+from composer_jax.data.drills import edit_drills, spec_drills, word_drills
 from composer_jax.data.sft import with_drills
 from composer_jax.env.episode import system_prompt
 from composer_jax.env.protocol import parse_observations
@@ -104,3 +108,90 @@ def test_with_drills_mixes_both_kinds_at_their_shares(texts, drills):
   assert len(mixed) == 60 and mixed[:30] == trajs
   assert sum(m[1]["content"].startswith("Line ") for m in mixed[30:]) == 15
   assert all(m[0] == drills[0][0] for m in mixed[30:])
+
+
+# An independent reading of the specs' words: left to right for operator chains (the comma closes
+# what comes before it), and the comparisons by their English meaning.
+_WORD_OPS = {"plus": operator.add, "minus": operator.sub, "times": operator.mul,
+             "floor-divided by": operator.floordiv, "modulo": operator.mod}
+_WORD_CMPS = {"greater than": operator.gt, "less than": operator.lt, "at least": operator.ge,
+              "at most": operator.le, "equal to": operator.eq}
+_OP = "|".join(map(re.escape, _WORD_OPS))
+_CMP = "|".join(_WORD_CMPS)
+
+
+def _read_words(doc: str, args: list[str]):
+  """The function ``doc`` describes, as a Python callable over ``args``, or None if not a spec."""
+  def val(tok, env):
+    return env[tok] if tok in env else int(tok)
+  if m := re.fullmatch(rf"Return the sum of the items of (\w+) that are ({_CMP}) (\d+)\.", doc):
+    xs, cmp, c = m.groups()
+    return lambda env: sum(x for x in env[xs] if _WORD_CMPS[cmp](x, int(c)))
+  if m := re.fullmatch(rf"Return how many items of (\w+) are ({_CMP}) (\d+)\.", doc):
+    xs, cmp, c = m.groups()
+    return lambda env: len([x for x in env[xs] if _WORD_CMPS[cmp](x, int(c))])
+  if m := re.fullmatch(rf"Return (\w+) if (\w+) is ({_CMP}) (\w+), else (\w+) ({_OP}) (\d+)\.", doc):
+    a, a2, cmp, b, b2, op, c = m.groups()
+    return lambda env: (env[a] if _WORD_CMPS[cmp](env[a2], env[b])
+                        else _WORD_OPS[op](env[b2], int(c)))
+  if m := re.fullmatch(rf"Return (\w+) ((?:(?:, )?(?:{_OP}) \w+)+)\.", doc):
+    first, rest = m.groups()
+    steps = re.findall(rf"({_OP}) (\w+)", rest)
+    def chain(env):
+      v = val(first, env)
+      for op, x in steps:
+        v = _WORD_OPS[op](v, val(x, env))
+      return v
+    return chain
+  return None
+
+
+def test_word_drills_write_what_their_docstrings_say_in_words(texts, tmp_path):
+  from composer_jax.env.sandbox import Sandbox
+  from composer_jax.env.synthetic import templates as T
+  from composer_jax.env.tools import ToolBox, ToolCall
+  system = system_prompt("signatures")
+  drills = word_drills(texts, 120, seed=5, system=system)
+  assert word_drills(texts, 120, seed=5, system=system) == drills and word_drills(texts, 4, seed=6)[0] != drills[0]
+  phrases, conditions, helpers = set(), 0, 0
+  rng = random.Random(0)
+  for i, msgs in enumerate(drills):
+    assert msgs[0] == {"role": "system", "content": system}
+    fn, path = re.fullmatch(r"Implement `(\w+)` in `(\w+\.py)` as its docstring says\. "
+                            r"Tests: `python run_tests\.py`\.", msgs[1]["content"]).groups()
+    # Names from the corpus, never the templates' vocabulary: no drill's file is a task's file.
+    assert path[:-3] not in T.MODULES + T.CONST_MODULES and not path.startswith("test")
+    assert fn not in {f"{v}_{n}" for v in T.VERBS for n in T.NOUNS}
+    calls = [c for m in msgs[2::2] for c in chat.parse_tool_calls(m["content"])[1]]
+    assert [c["name"] for c in calls] == ["view", "str_replace", "submit"]
+    (_, ok, shown), = parse_observations(msgs[3]["content"])
+    before = "\n".join(ln.split("\t", 1)[1] for ln in shown.splitlines()) + "\n"
+    assert ok and before.count("def ") in (1, 2) and "raise NotImplementedError" in before
+    helpers += before.count("def ") == 2
+    ws = tmp_path / str(i)
+    ws.mkdir()
+    (ws / path).write_text(before)
+    tools = ToolBox(Sandbox(str(ws)))
+    assert tools.execute(ToolCall("str_replace", calls[1]["arguments"])).ok
+    namespace: dict = {}
+    exec((ws / path).read_text(), namespace)  # our own generated code
+    f = namespace[fn]
+    args = list(inspect.signature(f).parameters)
+    doc = inspect.getdoc(f)
+    spec = _read_words(doc, args)
+    assert spec is not None, doc
+    conditions += any(p in doc for p in _WORD_CMPS)
+    phrases |= {p for p in [*_WORD_OPS, *_WORD_CMPS] if f" {p} " in doc}
+    for _ in range(6):
+      env = {a: ([rng.randint(0, 9) for _ in range(4)] if a in T.LISTS else rng.randint(0, 9)) for a in args}
+      assert f(*env.values()) == spec(env), (doc, env)
+  assert phrases == set(_WORD_OPS) | set(_WORD_CMPS)
+  assert 0.45 < conditions / len(drills) < 0.75 and 0.3 < helpers / len(drills) < 0.7
+
+
+def test_with_drills_adds_word_drills_at_their_share(texts, drills):
+  trajs = [drills[0]] * 30
+  mixed = with_drills(trajs, 0.25, texts, spec_share=0.0, word_share=0.25)
+  assert len(mixed) == 60 and mixed[:30] == trajs
+  assert sum(m[1]["content"].startswith("Line ") for m in mixed[30:]) == 15
+  assert sum(m[1]["content"].startswith("Implement `") for m in mixed[30:]) == 15
