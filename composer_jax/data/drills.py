@@ -138,8 +138,10 @@ def word_drills(texts: list[str], n: int, seed: int = 0, system: str | None = No
   each phrase is read, then written, hundreds of times. Module and function names are identifiers
   from ``texts`` (never the templates' vocabulary), so no drill's file is a task's file, held-out
   ones included. Three in five are conditions (the level-3 families', which the policy learned least),
-two in five operator chains; half the files hold a helper with a literal docstring beside the
-target, as the level-2 tasks do.
+two in five operator chains. Half are "implement" (the old text is the ``raise NotImplementedError``
+line) and half "fix the bug", whose old text is the viewed line with one operator changed: with
+implement drills alone the policy stopped copying the old text it saw (docs/rl_gain.md, "Stop 40").
+Half the files hold a helper with a literal docstring beside the target, as the level-2 tasks do.
   """
   from composer_jax.env.expert import edit_calls
   from composer_jax.env.synthetic import templates as T
@@ -156,6 +158,7 @@ target, as the level-2 tasks do.
     while len(out) < n:
       mod, fn, helper = rng.sample(idents, 3)
       names = T.Names(rng)
+      chain = None
       if rng.random() < 0.6:  # a condition: the level-3 families' phrases, the least learned
         doc = ""
         while not any(p in doc for p in T.CMPS.values()):
@@ -165,11 +168,14 @@ target, as the level-2 tasks do.
         args = [names.pick(T.SCALARS) for _ in range(rng.choice([1, 2]))]
         chain = T.arith(rng, args, 1 if len(args) == 2 else rng.choice([1, 2]), hard=True)
         doc, body = T.arith_doc(chain, words=True), [f"return {T.expr_text(chain)}"]
-      blocks = [T.function_src(fn, args, doc, T.TODO), T.function_src(fn, args, doc, body)]
+      fix = rng.random() < 0.5
+      start = _near_miss(rng, body, chain) if fix else T.TODO
+      blocks = [T.function_src(fn, args, doc, start), T.function_src(fn, args, doc, body)]
       if rng.random() < 0.5:
         h_args = [names.pick(T.SCALARS)]
-        chain = T.arith(rng, h_args, 1)
-        src = T.function_src(helper, h_args, T.arith_doc(chain, False), [f"return {T.expr_text(chain)}"])
+        h_chain = T.arith(rng, h_args, 1)
+        src = T.function_src(helper, h_args, T.arith_doc(h_chain, False),
+                             [f"return {T.expr_text(h_chain)}"])
         first = rng.random() < 0.5
         blocks = [[src, b] if first else [b, src] for b in blocks]
       else:
@@ -182,6 +188,18 @@ target, as the level-2 tasks do.
       tools.execute(ToolCall("create", {"path": path, "content": before}))
       turns = [[("view", {"path": path})],
                [(tool, {"path": path, **a}) for tool, a in edit_calls(before, after)], [("submit", {})]]
-      prompt = f"Implement `{fn}` in `{path}` as its docstring says. {T.TEST_RUN}"
+      prompt = (f"`{fn}` in `{path}` does not do what its docstring says. Fix the bug. {T.TEST_RUN}"
+                if fix else f"Implement `{fn}` in `{path}` as its docstring says. {T.TEST_RUN}")
       out.append(_chat(tools, system, prompt, turns))
   return out
+
+
+def _near_miss(rng: random.Random, body: list[str], chain: list | None) -> list[str]:
+  """``body`` with one operator changed: another comparison for a condition, another arithmetic
+  operator for a chain (the slips the templates' hidden tests tell apart)."""
+  from composer_jax.env.synthetic.templates import CMPS, _mutate_op, expr_text
+  if chain is not None:
+    return [f"return {expr_text(_mutate_op(rng, chain))}"]
+  cmp = next(c for c in CMPS if f" {c} " in body[0])
+  other = rng.choice([c for c in CMPS if c != cmp])
+  return [body[0].replace(f" {cmp} ", f" {other} ", 1)]

@@ -153,12 +153,15 @@ def test_word_drills_write_what_their_docstrings_say_in_words(texts, tmp_path):
   system = system_prompt("signatures")
   drills = word_drills(texts, 120, seed=5, system=system)
   assert word_drills(texts, 120, seed=5, system=system) == drills and word_drills(texts, 4, seed=6)[0] != drills[0]
-  phrases, conditions, helpers = set(), 0, 0
+  phrases, conditions, helpers, fixes = set(), 0, 0, 0
+  tests = r"Tests: `python run_tests\.py`\."
   rng = random.Random(0)
   for i, msgs in enumerate(drills):
     assert msgs[0] == {"role": "system", "content": system}
-    fn, path = re.fullmatch(r"Implement `(\w+)` in `(\w+\.py)` as its docstring says\. "
-                            r"Tests: `python run_tests\.py`\.", msgs[1]["content"]).groups()
+    m = (re.fullmatch(r"Implement `(\w+)` in `(\w+\.py)` as its docstring says\. " + tests, prompt := msgs[1]["content"])
+         or re.fullmatch(r"`(\w+)` in `(\w+\.py)` does not do what its docstring says\. Fix the bug\. " + tests, prompt))
+    fn, path = m.groups()
+    fix = prompt.startswith("`")
     # Names from the corpus, never the templates' vocabulary: no drill's file is a task's file.
     assert path[:-3] not in T.MODULES + T.CONST_MODULES and not path.startswith("test")
     assert fn not in {f"{v}_{n}" for v in T.VERBS for n in T.NOUNS}
@@ -166,8 +169,9 @@ def test_word_drills_write_what_their_docstrings_say_in_words(texts, tmp_path):
     assert [c["name"] for c in calls] == ["view", "str_replace", "submit"]
     (_, ok, shown), = parse_observations(msgs[3]["content"])
     before = "\n".join(ln.split("\t", 1)[1] for ln in shown.splitlines()) + "\n"
-    assert ok and before.count("def ") in (1, 2) and "raise NotImplementedError" in before
+    assert ok and before.count("def ") in (1, 2) and ("raise NotImplementedError" in before) != fix
     helpers += before.count("def ") == 2
+    fixes += fix
     ws = tmp_path / str(i)
     ws.mkdir()
     (ws / path).write_text(before)
@@ -185,8 +189,12 @@ def test_word_drills_write_what_their_docstrings_say_in_words(texts, tmp_path):
     for _ in range(6):
       env = {a: ([rng.randint(0, 9) for _ in range(4)] if a in T.LISTS else rng.randint(0, 9)) for a in args}
       assert f(*env.values()) == spec(env), (doc, env)
+    if fix:  # the edit replaces the one line whose operator is the slip; the old text is a copy of it
+      old, new = calls[1]["arguments"]["old"], calls[1]["arguments"]["new"]
+      assert before.count(old) == 1 and old != new and old.split()[0] == new.split()[0]
   assert phrases == set(_WORD_OPS) | set(_WORD_CMPS)
   assert 0.45 < conditions / len(drills) < 0.75 and 0.3 < helpers / len(drills) < 0.7
+  assert 0.3 < fixes / len(drills) < 0.7
 
 
 def test_with_drills_adds_word_drills_at_their_share(texts, drills):
@@ -194,4 +202,4 @@ def test_with_drills_adds_word_drills_at_their_share(texts, drills):
   mixed = with_drills(trajs, 0.25, texts, spec_share=0.0, word_share=0.25)
   assert len(mixed) == 60 and mixed[:30] == trajs
   assert sum(m[1]["content"].startswith("Line ") for m in mixed[30:]) == 15
-  assert sum(m[1]["content"].startswith("Implement `") for m in mixed[30:]) == 15
+  assert sum("its docstring says" in m[1]["content"] for m in mixed[30:]) == 15
