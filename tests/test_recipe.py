@@ -88,7 +88,9 @@ def test_anneal_stage_trains_on_the_expert_chats_alone_after_the_sft_stage():
   s = stage_config(cfg, sft)
   assert (a.data.seq_len, a.data.batch_size, a.data.sft_path) == (s.data.seq_len, s.data.batch_size, "T.jsonl")
   assert s.data.sft_copy_share > 0 and s.data.sft_spec_share > 0
-  assert a.data.sft_copy_share == 0.0 and a.data.sft_spec_share == 0.0
+  assert a.data.sft_copy_share == a.data.sft_spec_share == a.data.sft_word_share == 0.0
+  worded = stage_config(cfg, anneal_overrides(cfg, [*sft, "data.sft_word_share=0.3"]))
+  assert worded.data.sft_word_share == 0.0
   assert a.train.steps == cfg.run.anneal_steps == 88 and s.train.steps == 300
   assert (a.optim.lr, a.optim.schedule, a.optim.warmup_steps) == (2.0e-4, "constant", 0)
   cfg = load_config("configs/tiny.yaml", ["run.anneal_overrides=[train.steps=3]"])
