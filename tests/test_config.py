@@ -44,7 +44,7 @@ def test_base_include_and_overrides():
     ("data.sft_spec_share=-0.1", "data.sft_spec_share"),
     ("data.sft_spec_share=1.0", "data.sft_copy_share"),
     ("data.sft_word_share=-0.5", "data.sft_word_share"),
-    ("data.sft_word_share=0.9", "data.sft_word_share"),
+    ("data.sft_word_share=1.0", "data.sft_word_share"),
     ("rl.prefill_rows=-1", "rl.prefill_rows"),
     ("rl.dynamic_by=accuracy", "rl.dynamic_by"),
     ("run.rl_tasks=-1", "run.rl_tasks"),
