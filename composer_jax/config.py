@@ -131,7 +131,7 @@ class DataConfig:
   # synthetic instances at difficulty 2-3, no test run). 0 = none.
   sft_spec_share: float = 0.0
   # Share of SFT chats that are word drills (data/drills.py: one function whose docstring states an
-  # operator chain or a comparison in words, implemented in one edit; names from the corpus). 0 = none.
+  # operator chain or a comparison in words, implemented or fixed in one edit). 0 = none.
   sft_word_share: float = 0.0
   num_workers: int = 0
   seed: int = 0

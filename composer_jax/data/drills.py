@@ -127,21 +127,21 @@ def spec_drills(n: int, seed: int = 0, system: str | None = None, levels: tuple 
 
 
 def word_drills(texts: list[str], n: int, seed: int = 0, system: str | None = None) -> list[list[dict]]:
-  """``n`` chats that implement one function whose docstring says in words what it returns, in the
-  phrases of the templates' level-2/3 specs: an arithmetic chain over every operator ("t modulo 9",
-  "p times 3, plus v") or a condition ("the items of xs that are at most 4", "a if a is greater
-  than b, else ...").
+  """``n`` chats that implement or fix one function whose docstring says in words what it returns,
+  in the phrases of the templates' level-2/3 specs: an arithmetic chain over every operator ("t
+  modulo 9", "p times 3, plus v") or a condition ("the items of xs that are at most 4", "a if a is
+  greater than b, else ...").
 
   The expert trajectories and spec drills state each operator and comparison phrase only 9-21
   times, and the policy wrote ``>`` for every comparison and ``-`` for "modulo" (docs/rl_gain.md,
-  "Stop 39"). A word drill is one short view / edit / submit, so hundreds fit in a few SFT rows and
-  each phrase is read, then written, hundreds of times. Module and function names are identifiers
-  from ``texts`` (never the templates' vocabulary), so no drill's file is a task's file, held-out
-  ones included. Three in five are conditions (the level-3 families', which the policy learned least),
-two in five operator chains. Half are "implement" (the old text is the ``raise NotImplementedError``
-line) and half "fix the bug", whose old text is the viewed line with one operator changed: with
-implement drills alone the policy stopped copying the old text it saw (docs/rl_gain.md, "Stop 40").
-Half the files hold a helper with a literal docstring beside the target, as the level-2 tasks do.
+  "Stop 39"). A word drill is one short view / edit / submit, so hundreds fit in a few SFT rows.
+  Module and function names are identifiers from ``texts`` (never the templates' vocabulary), so no
+  drill's file is a task's file, held-out ones included. Three in five are conditions (the level-3
+  families', which the policy learned least), two in five operator chains. Half are "implement"
+  (the old text is the ``raise NotImplementedError`` line) and half "fix the bug", whose old text is
+  the viewed line with one operator changed: with implement drills alone the policy stopped copying
+  the old text it saw (docs/rl_gain.md, "Stop 40"). Half the files hold a helper with a literal
+  docstring beside the target, as the level-2 tasks do.
   """
   from composer_jax.env.expert import edit_calls
   from composer_jax.env.synthetic import templates as T
@@ -197,9 +197,9 @@ Half the files hold a helper with a literal docstring beside the target, as the 
 def _near_miss(rng: random.Random, body: list[str], chain: list | None) -> list[str]:
   """``body`` with one operator changed: another comparison for a condition, another arithmetic
   operator for a chain (the slips the templates' hidden tests tell apart)."""
-  from composer_jax.env.synthetic.templates import CMPS, _mutate_op, expr_text
+  from composer_jax.env.synthetic.templates import CMPS, expr_text, mutate_op
   if chain is not None:
-    return [f"return {expr_text(_mutate_op(rng, chain))}"]
+    return [f"return {expr_text(mutate_op(rng, chain))}"]
   cmp = next(c for c in CMPS if f" {c} " in body[0])
   other = rng.choice([c for c in CMPS if c != cmp])
   return [body[0].replace(f" {cmp} ", f" {other} ", 1)]

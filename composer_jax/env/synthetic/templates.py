@@ -208,7 +208,7 @@ def _src(d: dict) -> dict:
   return {f"{m}.py": t for m, t in d.items()}
 
 
-def _mutate_op(rng: random.Random, chain: list) -> list:
+def mutate_op(rng: random.Random, chain: list) -> list:
   i = rng.randrange(1, len(chain))
   op, x = chain[i]
   choices = [o for o in ("+", "-", "*") if o != op]
@@ -313,7 +313,7 @@ def fix_bug(rng: random.Random, d: int) -> Instance:
   else:
     args = [names.pick(SCALARS) for _ in range(rng.choice([1, 2]))]
     chain = arith(rng, args, 1 if len(args) == 2 else rng.choice([1, 2]))
-    wrong = _mutate_op(rng, chain) if d == 1 else _mutate_const(rng, chain)
+    wrong = mutate_op(rng, chain) if d == 1 else _mutate_const(rng, chain)
     doc, gold, bug = arith_doc(chain, False), [f"return {expr_text(chain)}"], \
         [f"return {expr_text(wrong)}"]
   b, a, other = _function_module(rng, names, d, function_src(fn, args, doc, bug),
@@ -356,7 +356,7 @@ def _class_task(rng, d, template, buggy: bool) -> Instance:
   mod, cls, attr, meth = names.pick(MODULES), names.pick(CLASSES), names.pick(ATTRS), names.pick(VERBS)
   doc, body, chain = _method_spec(rng, attr, min(d, 3), words=d >= 2 and not buggy)
   if buggy:
-    wrong = _mutate_op(rng, chain) if d == 1 else _mutate_const(rng, chain)
+    wrong = mutate_op(rng, chain) if d == 1 else _mutate_const(rng, chain)
     start = [f"return {expr_text(wrong)}"] if d == 1 else \
         [f"self.{attr} += {expr_text(wrong)}", f"return self.{attr}"]
   else:
