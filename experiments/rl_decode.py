@@ -251,7 +251,8 @@ def main():
   res["note"] = ("float32 params and compute (the configs' dtypes); tokens/s = rows / median step "
                  "seconds, the variants of one comparison timed in turn each round; engine: generated "
                  "tokens / wall seconds after a warm-up run")
-  write_result("rl_decode", res)
+  backend = jax.default_backend()
+  write_result("rl_decode" if backend == "cpu" else f"rl_decode_{backend}", res)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,10 @@
 * FP8 block (Hopper / DeepSeek-V3 style): float32 scales amax * float32(1/448) per 1x128 activation block or
   128x128 weight tile, E4M3 elements.
 
+Every cast to an 8- or 4-bit float goes through ``narrow``: XLA:GPU's excess-precision pass (flag
+xla_allow_excess_precision, on by default) rewrites ``convert(convert(x, f8), f32)`` to ``x``, so a
+plain ``astype`` followed by a widening cast in the same program is not rounded at all.
+
 Non-finite blocks: a block holding NaN or Inf gets a NaN scale (E8M0 0xFF, E4M3 0x7F, or a float32
 NaN) and NaN elements (zeros for E2M1, which has no NaN), so dequantizing gives NaN for the block.
 The NVFP4 and FP8-block recipes divide in float32 and therefore read float32 subnormal inputs as zero
@@ -37,6 +41,14 @@ E4M3_MAX = 448.0
 _F32_TINY = 2.0 ** -126
 _NAN_BITS = {jnp.dtype(jnp.float8_e4m3fn): 0x7F, jnp.dtype(jnp.float8_e5m2): 0x7E}
 NVFP4_MIN_TENSOR_SCALE = 2.0 ** -117  # times the smallest E4M3 subnormal 2^-9 is still normal
+
+
+def narrow(x, dtype):
+  """``x.astype(dtype)`` behind an optimization barrier, so that a later widening cast cannot be
+  folded into it. On an H100 without the barrier, NVFP4's block-scale rounding and every fake-quant
+  (quantize then dequantize in one jit) were skipped: the codes and the dequantized products came
+  out of unrounded values (tests/kernels/test_quant.py::test_narrowing_casts_sit_behind_a_barrier)."""
+  return lax.optimization_barrier(x.astype(dtype))
 
 
 def _check_axis(x, axis: int, block: int, what: str) -> int:
@@ -120,7 +132,7 @@ def mxfp8_blocks(xb, elem: str = "e4m3", scale_rounding: str = "floor"):
   dtype, _, maxn = ELEM_FORMATS[elem]
   exp, nonfinite = mxfp8_scale_exponent(xb, elem, scale_rounding)
   scaled = _scale_pow2_exact(_f32_bits(xb), -exp[..., None])
-  q = jnp.clip(scaled, -maxn, maxn).astype(dtype)
+  q = narrow(jnp.clip(scaled, -maxn, maxn), dtype)
   q = _with_canonical_nan(q, nonfinite[..., None])
   scale_bits = jnp.where(nonfinite, 255, exp + 127).astype(jnp.uint8)
   return q, lax.bitcast_convert_type(scale_bits, jnp.float8_e8m0fnu)
@@ -193,12 +205,12 @@ def nvfp4_blocks(xb, s_t):
   E4M3 block scales [..., nb]). Shared by the pure-JAX quantizer and the fused Pallas kernel."""
   amax_b = jnp.max(jnp.abs(xb), axis=-1)
   nonfinite = jnp.any(~jnp.isfinite(xb), axis=-1)
-  s_b = jnp.minimum(amax_b / (jnp.float32(E2M1_MAX) * s_t), E4M3_MAX).astype(jnp.float8_e4m3fn)
+  s_b = narrow(jnp.minimum(amax_b / (jnp.float32(E2M1_MAX) * s_t), E4M3_MAX), jnp.float8_e4m3fn)
   denom = s_b.astype(jnp.float32) * s_t
   safe = jnp.where(denom > 0, denom, 1.0)
   q = jnp.where((denom > 0)[..., None], xb / safe[..., None], 0.0)
-  q = jnp.where(nonfinite[..., None], 0.0, jnp.clip(q, -E2M1_MAX, E2M1_MAX)).astype(jnp.float4_e2m1fn)
-  s_b = jnp.where(nonfinite, jnp.nan, s_b.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
+  q = narrow(jnp.where(nonfinite[..., None], 0.0, jnp.clip(q, -E2M1_MAX, E2M1_MAX)), jnp.float4_e2m1fn)
+  s_b = narrow(jnp.where(nonfinite, jnp.nan, s_b.astype(jnp.float32)), jnp.float8_e4m3fn)
   return q, s_b
 
 
@@ -234,7 +246,7 @@ def quantize_fp8_rowwise(x, axis: int = -1, block: int = FP8_BLOCK):
   scale, nonfinite = _fp8_scale(jnp.max(jnp.abs(xb), axis=-1),
                                jnp.any(~jnp.isfinite(xb), axis=-1))
   q = jnp.clip(xb / scale[..., None], -E4M3_MAX, E4M3_MAX)
-  q = jnp.where(nonfinite[..., None], jnp.nan, q).astype(jnp.float8_e4m3fn)
+  q = narrow(jnp.where(nonfinite[..., None], jnp.nan, q), jnp.float8_e4m3fn)
   return _from_blocks(q, axis), jnp.moveaxis(scale, -1, axis)
 
 
@@ -253,7 +265,7 @@ def quantize_fp8_tile(w, block: int = FP8_BLOCK):
   scale, nonfinite = _fp8_scale(amax, jnp.any(~jnp.isfinite(wt), axis=(-3, -1)))
   s = scale[..., :, None, :, None]
   q = jnp.clip(wt / s, -E4M3_MAX, E4M3_MAX)
-  q = jnp.where(nonfinite[..., :, None, :, None], jnp.nan, q).astype(jnp.float8_e4m3fn)
+  q = narrow(jnp.where(nonfinite[..., :, None, :, None], jnp.nan, q), jnp.float8_e4m3fn)
   return q.reshape(w.shape), scale
 
 
@@ -286,6 +298,7 @@ __all__ = [
   "dequantize_mxfp8",
   "dequantize_nvfp4",
   "fake_quant",
+  "narrow",
   "quantize_fp8_rowwise",
   "quantize_fp8_tile",
   "quantize_mxfp8",

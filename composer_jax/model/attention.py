@@ -26,8 +26,10 @@ other segment does). Implementations, chosen by ``model.attention_impl``:
                   native MLA dims and packed THD offsets on Hopper, but only through private JAX
                   entry points (jax._src.cudnn), so this module does not use them.
 
-``auto`` picks splash on TPU, cudnn on GPU for unpacked rows (pallas_gpu for packed ones) and
-blockwise elsewhere, and falls back to blockwise where the kernel's shape rules do not hold. Kernels run per (batch, head) shard of the active mesh.
+``auto`` picks splash on TPU; on GPU, for 16-bit inputs, cudnn for unpacked rows and pallas_gpu for
+packed ones; blockwise elsewhere, float32 on GPU included (cuDNN refuses float32 and Triton's float32
+dot runs in TF32, so a float32 config would silently lose precision), and where the kernel's shape
+rules do not hold. Kernels run per (batch, head) shard of the active mesh.
 The per-head maximum logit (QK-clip) comes free out of the blockwise forward; the kernels get it
 from a separate blockwise max pass (no P.V, no gradient).
 """
@@ -366,6 +368,9 @@ def cudnn(q, k, v, seg, scale):
   if seg is not None:
     raise ValueError("model.attention_impl=cudnn cannot take packed segment ids (jax.nn's cuDNN "
                      "path has no segment input); use attention_impl=pallas_gpu or auto")
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(f"model.attention_impl=cudnn needs 16-bit inputs (got {q.dtype}): set "
+                     f"model.compute_dtype=bfloat16, or use attention_impl=auto or blockwise")
   dk, dv = q.shape[-1], v.shape[-1]
   vp = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dk - dv))) if dv < dk else v
   o = jax.nn.dot_product_attention(q, k, vp.astype(k.dtype), scale=scale, is_causal=True,
@@ -401,11 +406,13 @@ def _per_shard(fn, q, k, v, seg):
 
 
 def resolve_impl(impl: str, s: int, backend: str | None = None, packed: bool = True,
-                 head_dim: int = 192) -> str:
+                 head_dim: int = 192, dtype=jnp.bfloat16) -> str:
   """The implementation ``impl`` means for sequence length s on ``backend`` (default: JAX's).
 
   On GPU an unpacked batch (no segment ids) goes to cuDNN: on an H200 at K2's head dims it ran
   fwd+bwd at 3.6x the Pallas kernel at 32K (274 vs 76 TFLOP/s, experiments/results/attention_gpu.json).
+  float32 inputs on GPU stay on blockwise: on an H100 the float32 tiny config's prefill failed in
+  cuDNN ("Q must be fp16/bf16/fp8"), and the Triton kernel's dots would run in TF32.
   """
   if impl not in IMPLS:
     raise ValueError(f"model.attention_impl={impl!r}: use one of {list(IMPLS)}")
@@ -414,6 +421,8 @@ def resolve_impl(impl: str, s: int, backend: str | None = None, packed: bool = T
   backend = backend or jax.default_backend()
   if backend == "tpu" and s % 128 == 0:
     return "splash"
+  if backend == "gpu" and jnp.dtype(dtype).itemsize > 2:
+    return "blockwise"
   if backend == "gpu" and not packed and head_dim % 8 == 0 and head_dim <= 256:
     return "cudnn"
   if backend == "gpu" and (s < 128 or s % 128 == 0):
@@ -429,7 +438,7 @@ def attention(q, k, v, segment_ids=None, *, scale: float, impl: str = "auto", bl
   blockwise/kernel tile along the sequence.
   """
   s = q.shape[1]
-  impl = resolve_impl(impl, s, packed=segment_ids is not None, head_dim=q.shape[-1])
+  impl = resolve_impl(impl, s, packed=segment_ids is not None, head_dim=q.shape[-1], dtype=q.dtype)
   if impl == "dense":
     return dense_attention(q, k, v, segment_ids, scale, with_max_logit)
   if impl == "blockwise":

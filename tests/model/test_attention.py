@@ -213,6 +213,10 @@ def test_selection_by_backend_and_shape():
   assert A.resolve_impl("auto", 1024, "gpu") == "pallas_gpu"
   assert A.resolve_impl("auto", 1024, "gpu", packed=False) == "cudnn"  # no segment ids: cuDNN
   assert A.resolve_impl("auto", 1024, "gpu", packed=False, head_dim=320) == "pallas_gpu"
+  # float32 on GPU: cuDNN refuses it and Triton's dots would be TF32, so the XLA path
+  assert A.resolve_impl("auto", 1024, "gpu", packed=False, dtype=jnp.float32) == "blockwise"
+  assert A.resolve_impl("auto", 1024, "gpu", dtype=jnp.float32) == "blockwise"
+  assert A.resolve_impl("auto", 1024, "gpu", dtype=jnp.float16) == "pallas_gpu"
   assert A.resolve_impl("auto", 1024, "cpu") == "blockwise"
   assert A.resolve_impl("dense", 1024, "tpu") == "dense"
   with pytest.raises(ValueError, match="model.attention_impl"):
@@ -222,6 +226,8 @@ def test_selection_by_backend_and_shape():
     A.attention(q, k, v, seg, scale=SCALE, impl="splash")
   with pytest.raises(ValueError, match="segment ids"):
     A.attention(q, k, v, seg, scale=SCALE, impl="cudnn")
+  with pytest.raises(ValueError, match="model.compute_dtype=bfloat16"):
+    A.attention(q, k, v, None, scale=SCALE, impl="cudnn")  # float32 inputs
 
 
 def test_model_blockwise_matches_dense():

@@ -10,7 +10,12 @@ from flax import nnx
 
 from composer_jax.model import init_cache, routing
 from composer_jax.model.cache import bucket, check_room
-from composer_jax.model.moe import dropless_moe, moe_dispatch, per_pair_moe
+from composer_jax.model.moe import (
+  decode_layout,
+  dropless_moe,
+  moe_dispatch,
+  per_pair_moe,
+)
 from tests.model.test_numerics import close, make
 
 
@@ -76,6 +81,17 @@ def test_overflow_is_refused_in_one_line(setup):
   assert [bucket(n, 64) for n in (1, 16, 17, 40, 65)] == [16, 16, 32, 64, 64]
 
 
+def test_decode_layout_by_backend():
+  """CPU/TPU decode: per-pair up to 64 pairs, then 16-row blocks while groups average <= 8 rows;
+  GPU decode and every quantized recipe: the training layout (None)."""
+  for backend in ("cpu", "tpu"):
+    assert decode_layout(18, 8, "bf16", backend) == "per_pair"
+    assert decode_layout(90, 16, "bf16", backend) == 16
+    assert decode_layout(200, 16, "bf16", backend) is None
+    assert decode_layout(18, 8, "mxfp8", backend) is None
+  assert {decode_layout(p, 16, "bf16", "gpu") for p in (18, 90, 200)} == {None}
+
+
 def test_per_pair_dispatch_equals_grouped_matmul(setup):
   """The small-batch dispatch (one (token, slot) pair at a time) against the training grouped matmul and a
   float64 NumPy sum over experts: 1e-5 relative, float32."""
@@ -88,7 +104,8 @@ def test_per_pair_dispatch_equals_grouped_matmul(setup):
   gate = jnp.asarray(rs.rand(6, 3), jnp.float32)
   small = per_pair_moe(x, ids, gate, *w)
   close(small, dropless_moe(x, ids, gate, *w), rtol=1e-5)
-  close(moe_dispatch(x, ids, gate, *w), small, rtol=0)  # 18 pairs: the dispatcher takes the per-pair loop
+  per_pair = decode_layout(18, 8, "bf16", jax.default_backend()) == "per_pair"  # all but GPU
+  close(moe_dispatch(x, ids, gate, *w), small if per_pair else dropless_moe(x, ids, gate, *w), rtol=0)
   close(moe_dispatch(x, ids, gate, *w, per_pair_max=0), dropless_moe(x, ids, gate, *w), rtol=0)
   # Past the per-pair bound (90 pairs > 64) decode keeps the grouped matmul, on 16-row blocks.
   xl = jnp.asarray(rs.randn(30, 32), jnp.float32)
