@@ -201,6 +201,11 @@ class RLConfig:
   sft_mix_coef: float = 0.0
   sft_mix_path: str = ""
   sft_mix_rows: int = 4
+  # Of those rows, up to expert_demo_rows are the scripted expert's runs of this run's RL tasks
+  # (rl/demos.py, as ReLIFT): of tasks whose group resolved nothing ("unsolved"), or of every task
+  # drawn ("all", the control). 0 = off; needs sft_mix_coef > 0.
+  expert_demo_rows: int = 0
+  expert_demo_on: Literal["unsolved", "all"] = "unsolved"
   seed: int = 0
   tasks: str = ""  # folder of training task directories (`tasks generate --synthetic ... --out`)
   eval_tasks: str = ""  # held-out task folder, evaluated at the end ("" = none)

@@ -128,6 +128,10 @@ def validate(cfg: Config) -> None:
   _require(r.sft_mix_rows >= 1, f"rl.sft_mix_rows={r.sft_mix_rows} must be >= 1")
   _require(not r.sft_mix_coef or r.sft_mix_path, "rl.sft_mix_coef > 0 needs rl.sft_mix_path: the SFT "
            "trajectories, a JSONL file of chats (the main job fills it in)")
+  _require(0 <= r.expert_demo_rows <= r.sft_mix_rows, f"rl.expert_demo_rows={r.expert_demo_rows} must "
+           f"be in [0, rl.sft_mix_rows={r.sft_mix_rows}]: the demonstrations take SFT-mix rows")
+  _require(not r.expert_demo_rows or r.sft_mix_coef > 0, "rl.expert_demo_rows > 0 needs "
+           "rl.sft_mix_coef > 0: the demonstrations are trained as SFT-mix rows")
   _require(r.pack_length >= 0, f"rl.pack_length={r.pack_length} must be >= 0 (0 = one segment a row, "
            "N = segments packed into rows of N tokens)")
   _require(0 <= r.curriculum_decay < 1, f"rl.curriculum_decay={r.curriculum_decay} must be in [0, 1)")

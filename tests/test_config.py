@@ -55,6 +55,9 @@ def test_base_include_and_overrides():
     ("rl.sft_mix_coef=-0.1", "rl.sft_mix_coef"),
     ("rl.adv_negative_weight=-0.5", "rl.adv_negative_weight"),
     ("rl.sft_mix_coef=0.1", "rl.sft_mix_path"),
+    ("rl.expert_demo_rows=2", "rl.sft_mix_coef"),  # the demonstrations are SFT-mix rows
+    ("rl.expert_demo_rows=-1", "rl.expert_demo_rows"),
+    ("rl.expert_demo_on=failed", "rl.expert_demo_on"),
 ])
 def test_bad_values_name_the_field(override, field):
   over = [override] + (["mesh.fsdp=-1"] if override == "mesh.data=-1" else [])

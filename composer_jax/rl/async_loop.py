@@ -108,7 +108,7 @@ class AsyncRLRun(RLRun):
       gid, rs = self.buffer.pop(0)
       drawn.append(rs)
       flags.append((not rl.dynamic_sampling) or L.informative(rs, self.cfg))
-      self.stream.observe(self.ledger.done(gid), [r.resolved for r in rs])
+      self.observe(self.ledger.done(gid), [r.resolved for r in rs])
     waited = time.perf_counter() - t0
     stale = [self.staleness(rs) for rs in drawn]
     if rl.max_staleness > 0:  # the workers sample the next groups while the learner updates (with

@@ -130,6 +130,12 @@ class RLRun:
     self.teacher_fn = L.make_teacher_fn(self.tr.graphdef, cfg) if rl.feedback_kl_coef > 0 else None
     self.logp_fn = _make_logp_fn(self.tr.graphdef, cfg)
     self.sft_chats = _load_sft_chats(rl.sft_mix_path, self.tok) if rl.sft_mix_coef > 0 else None
+    self.demos = None
+    if rl.expert_demo_rows > 0:
+      from composer_jax.rl.demos import ExpertDemos
+      self.demos = ExpertDemos(self.tasks, self.tok, cfg, self.mode, log=log)
+      if self.resumed_data and "demos" in self.resumed_data:
+        self.demos.set_state(self.resumed_data["demos"])
     self.metrics = MetricsLog(out_dir, self.start)
     self.rollout_file = open(os.path.join(out_dir, "rollouts.jsonl"), "a")  # noqa: SIM115
 
@@ -173,6 +179,10 @@ class RLRun:
       # the same chats at a given step on every resume
       rng = np.random.default_rng([rl.seed, 7, step])
       picked = [self.sft_chats[i] for i in rng.choice(len(self.sft_chats), rl.sft_mix_rows)]
+      if self.demos is not None:  # the expert's runs of queued RL tasks take the first rows
+        demos = self.demos.take(rl.expert_demo_rows)
+        picked = demos + picked[len(demos):]
+        info["expert_demos"] = len(demos)
       sft = L.sft_rows(picked, L.row_count(rl.sft_mix_rows, quantum), length, m.n_moe_layers,
                        m.n_experts_per_tok, pad)
       batch = L.interleave(batch, sft, rl.minibatches)
@@ -202,7 +212,7 @@ class RLRun:
       jobs = [Job(self.tasks[t], gid, s) for gid, t in chosen.items() for s in range(rl.group_size)]
       new = L.split_groups(self.runner.run(jobs))
       for grp in new:
-        self.stream.observe(chosen[grp[0].group], [r.resolved for r in grp])
+        self.observe(chosen[grp[0].group], [r.resolved for r in grp])
       drawn += new
       if not rl.dynamic_sampling:
         break
@@ -273,6 +283,9 @@ class RLRun:
            "version": step, **learn}
     rec.setdefault("feedback_kl", 0.0)
     rec.setdefault("routing_mismatch_frac", 0.0)
+    if self.demos is not None:  # demonstrations trained this step; tasks waiting for one
+      rec.update(expert_demos=info.get("expert_demos", 0), expert_demos_queued=len(self.demos.queue),
+                 expert_demos_failed=self.demos.counts["expert_failed"])
     for r in rollouts:
       self.rollout_file.write(json.dumps(rollout_record(step, r)) + "\n")
     for r in untrained:
@@ -284,8 +297,17 @@ class RLRun:
     """The sampler gets the new weights (the async loop broadcasts them to its workers too)."""
     self.engine.set_weights(self.tr.state["params"], self.tr.state["rest"], version)
 
+  def observe(self, task: int, resolved: list[bool]) -> None:
+    """A drawn group's outcome, for the task stream's curriculum and the expert demonstrations."""
+    self.stream.observe(task, resolved)
+    if self.demos is not None:
+      self.demos.observe(task, resolved)
+
   def checkpoint_data(self, step: int) -> dict:
-    return {"tasks": self.stream.state(), "version": step}
+    data = {"tasks": self.stream.state(), "version": step}
+    if self.demos is not None:
+      data["demos"] = self.demos.state()
+    return data
 
   def run(self) -> dict:
     from tqdm import tqdm
