@@ -19,7 +19,7 @@ PY=${PY:-python3}
 nvidia-smi -L
 $PY -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
 T0=$SECONDS
-JAX_PLATFORMS=cuda,cpu timeout 300 $PY -m pytest -q -p no:cacheprovider --no-header --tb=line -rf \
+JAX_PLATFORMS=cuda,cpu timeout 300 $PY -m pytest -q -p no:cacheprovider --no-header --tb=short -rf \
   tests/kernels/test_gmm.py tests/kernels/test_quant.py tests/kernels/test_moe_dispatch.py \
   tests/model/test_decode.py tests/model/test_chunked_loss.py tests/model/test_numerics.py \
   tests/model/test_attention.py tests/rl/test_sampler.py tests/rl/test_speculative.py \
