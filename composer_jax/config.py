@@ -240,6 +240,8 @@ class RLConfig:
   is_level: Literal["token", "sequence"] = "token"
   is_mode: Literal["truncate", "mask"] = "truncate"  # mask = zero tokens outside [1/is_clip, is_clip]
   kl_coef: float = 0.0  # KL to the reference (initial) policy; 0 = off
+  # loss -= entropy_coef x token entropy (verl's entropy_coeff): > 0 explores, < 0 sharpens (RENT)
+  entropy_coef: float = 0.0
   loss_agg: Literal["token_mean", "seq_sum"] = "token_mean"
   adv_std_norm: bool = False  # divide group advantages by the group's std
   # Weight on negative advantages (1 = GRPO; 0 = reinforce only the episodes above their group's

@@ -105,6 +105,8 @@ def validate(cfg: Config) -> None:
                "penalty_repeated_command", "penalty_no_call_turn", "length_w_reasoning", "length_w_tool_call",
                "length_w_tool_output", "length_w_final", "length_w_calls", "length_w_turns"):
     _require(getattr(r, name) >= 0, f"rl.{name}={getattr(r, name)} must be >= 0")
+  _require(abs(r.entropy_coef) < 1, f"rl.entropy_coef={r.entropy_coef} must be in (-1, 1) (< 0 sharpens, "
+           "> 0 explores; |0.001-0.01| is the usual range)")
   _require(r.length_ref > 0, f"rl.length_ref={r.length_ref} must be > 0 (the x where the penalty = coef)")
   _require(0 <= r.penalty_cap < 1, f"rl.penalty_cap={r.penalty_cap} must be in [0, 1) so a resolved "
            "episode always outscores an unresolved one")

@@ -58,6 +58,8 @@ def test_base_include_and_overrides():
     ("rl.expert_demo_rows=2", "rl.sft_mix_coef"),  # the demonstrations are SFT-mix rows
     ("rl.expert_demo_rows=-1", "rl.expert_demo_rows"),
     ("rl.expert_demo_on=failed", "rl.expert_demo_on"),
+    ("rl.entropy_coef=-1.5", "rl.entropy_coef"),
+    ("rl.entropy_coef=nan", "rl.entropy_coef"),
 ])
 def test_bad_values_name_the_field(override, field):
   over = [override] + (["mesh.fsdp=-1"] if override == "mesh.data=-1" else [])

@@ -88,14 +88,15 @@ def policy_loss(logp, batch: dict, cfg: RLConfig, denom=None):
   Per masked token t with advantage A (per sequence [b] or per token [b, s]):
     r_t   = exp(logp_t - old_logp_t)                              (PPO ratio vs the behaviour policy)
     pg_t  = max(-A r_t, -A clip(r_t, 1 - ppo_clip_low, 1 + ppo_clip_high))   (DAPO clip-higher)
-    L_t   = w_t pg_t + kl_coef k3_t,   k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+    L_t   = w_t pg_t + kl_coef k3_t - entropy_coef H_t,   k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
   with w_t the stop-gradient sampler/trainer weight of ``importance_weights``. Aggregation
   ``cfg.loss_agg``: "token_mean" = sum_t L_t / (#masked tokens); "seq_sum" = sum over each sequence's
   tokens, averaged over the sequences that have any masked token. ``denom`` overrides the divisor
   (the token or sequence count of the whole update batch, so micro-batches add up to the full batch).
 
   ``batch``: ``old_logp``, ``sampler_logp``, ``advantages``, ``loss_mask`` and optionally ``ref_logp``
-  and ``entropy`` (for the metric), all target-aligned [b, s] float32 (advantages may be [b]), and
+  and ``entropy`` H (the metric, and the loss term when ``entropy_coef`` != 0, so then it must carry
+  its gradient), all target-aligned [b, s] float32 (advantages may be [b]), and
   optionally ``segment_ids`` [b, s]: then a sequence (for "seq_sum" and sequence-level weights) is a
   (row, segment id), as in packed rows; without them it is a row.
   """
@@ -120,6 +121,8 @@ def policy_loss(logp, batch: dict, cfg: RLConfig, denom=None):
     d = jnp.where(on, batch["ref_logp"].astype(jnp.float32) - logp, 0.0)
     kl_ref = jnp.exp(d) - d - 1.0
     per_tok = per_tok + cfg.kl_coef * kl_ref
+  if batch.get("entropy") is not None and cfg.entropy_coef:  # not importance-weighted, as in verl
+    per_tok = per_tok - cfg.entropy_coef * batch["entropy"].astype(jnp.float32)
   n_tok = jnp.sum(mask)
   if cfg.loss_agg == "seq_sum":
     if seg is None:

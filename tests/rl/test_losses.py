@@ -180,6 +180,78 @@ def test_policy_loss_random_vs_numpy(over):
   assert np.all(g[2] == 0) and np.all(g[:, 0] == 0)
 
 
+def _np_logp_entropy(logits, tokens):
+  z = logits - logits.max(-1, keepdims=True)
+  logq = z - np.log(np.exp(z).sum(-1, keepdims=True))
+  lp = np.take_along_axis(logq[:, :-1], tokens[:, 1:, None], -1)[..., 0]
+  ent = -(np.exp(logq) * logq).sum(-1)[:, :-1]
+  pad = lambda x: np.pad(x, ((0, 0), (1, 0)))  # target-aligned: row t is about x_t
+  return pad(lp), pad(ent)
+
+
+@pytest.mark.parametrize("coef", [-0.3, 0.2])
+def test_policy_loss_entropy_term_vs_numpy(coef):
+  """rl.entropy_coef through the logits: value and gradient against a float64 reference."""
+  rng = np.random.default_rng(2)
+  b, s, v = 2, 4, 5
+  logits = rng.normal(0, 1.5, (b, s, v))
+  tokens = rng.integers(0, v, (b, s))
+  lp0, _ = _np_logp_entropy(logits, tokens)
+  batch = {"old_logp": lp0 + rng.normal(0, 0.1, (b, s)), "advantages": np.array([0.7, -0.4]),
+           "loss_mask": np.array([[0, 1, 1, 1], [0, 1, 0, 1]], np.float64)}
+  batch["sampler_logp"] = batch["old_logp"] + rng.normal(0, 0.1, (b, s))
+  batch["ref_logp"] = batch["old_logp"]
+  cfg = RLConfig(entropy_coef=coef)
+
+  def ref(lg):
+    lp, ent = _np_logp_entropy(lg, tokens)
+    m = batch["loss_mask"]
+    return _np_policy_loss(lp, batch, cfg) - coef * (ent * m).sum() / m.sum()
+
+  jb = {k: jnp.asarray(x, jnp.float32) for k, x in batch.items() if k != "ref_logp"}
+  jt = jnp.asarray(tokens, jnp.int32)
+
+  def f(lg):
+    lp, ent = losses.token_logprobs(lg, jt, with_entropy=True)
+    return losses.policy_loss(lp, dict(jb, entropy=ent), cfg)[0]
+
+  lg = jnp.asarray(logits, jnp.float32)
+  assert float(jax.jit(f)(lg)) == pytest.approx(ref(logits), abs=1e-5)
+  without = dataclasses.replace(cfg, entropy_coef=0.0)
+  lp, ent = token_logprobs(lg, jt, with_entropy=True)
+  gap = float(f(lg)) - float(policy_loss(lp, dict(jb, entropy=ent), without)[0])
+  assert gap == pytest.approx(-coef * float((ent * jb["loss_mask"]).sum() / 5), abs=1e-6)
+  g = np.asarray(_grad(f, lg), np.float64)
+  eps, fd = 1e-6, np.zeros_like(logits)
+  for i in np.ndindex(*logits.shape):
+    e = np.zeros_like(logits)
+    e[i] = eps
+    fd[i] = (ref(logits + e) - ref(logits - e)) / (2 * eps)
+  np.testing.assert_allclose(g, fd, atol=2e-5)
+  assert np.all(g[:, -1] == 0)  # the last row predicts nothing
+
+
+def test_entropy_coef_sign():
+  """A step against the gradient lowers the entropy for coef < 0 and raises it for coef > 0
+  (zero advantages: the entropy term is the whole loss)."""
+  lg = jnp.array([[[1.0, 0.5, 0.0, -0.5], [0.0, 0.0, 0.0, 0.0]]])
+  tok = jnp.array([[0, 1]])
+  batch = {"old_logp": jnp.zeros((1, 2)), "sampler_logp": jnp.zeros((1, 2)),
+           "advantages": jnp.zeros(1), "loss_mask": jnp.array([[0.0, 1.0]])}
+
+  def ent_after(coef):
+    def f(z):
+      lp, ent = losses.token_logprobs(z, tok, with_entropy=True)
+      return losses.policy_loss(lp, dict(batch, old_logp=jax.lax.stop_gradient(lp), sampler_logp=
+                                         jax.lax.stop_gradient(lp), entropy=ent),
+                                RLConfig(entropy_coef=coef))[0]
+    z = lg - 0.5 * jax.grad(f)(lg)
+    return float(token_logprobs(z, tok, with_entropy=True)[1][0, 1])
+
+  h0 = float(token_logprobs(lg, tok, with_entropy=True)[1][0, 1])
+  assert ent_after(-0.5) < h0 - 1e-3 and ent_after(0.5) > h0 + 1e-3
+
+
 def test_policy_loss_jits():
   logp, batch = _hand_batch()
   loss, m = jax.jit(lambda lp, b: losses.policy_loss(lp, b, RLConfig()))(logp, batch)
