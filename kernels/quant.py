@@ -128,7 +128,8 @@ def mxfp8_scale_exponent(xb, elem: str = "e4m3", scale_rounding: str = "floor"):
 
 def mxfp8_blocks(xb, elem: str = "e4m3", scale_rounding: str = "floor"):
   """MXFP8 of float32 blocks on the last axis ``[..., nb, 32]`` -> (elements, E8M0 scales [..., nb]).
-  The math shared by the pure-JAX quantizer and the fused Pallas kernel."""
+  The fused Pallas kernel restates it on raw bits (``quant_pallas._mx_bits``); the tests hold both
+  bit-equal to the NumPy reference."""
   dtype, _, maxn = ELEM_FORMATS[elem]
   exp, nonfinite = mxfp8_scale_exponent(xb, elem, scale_rounding)
   scaled = _scale_pow2_exact(_f32_bits(xb), -exp[..., None])
@@ -202,7 +203,8 @@ def nvfp4_tensor_scale(x):
 
 def nvfp4_blocks(xb, s_t):
   """NVFP4 of DAZ'd float32 blocks ``[..., nb, 16]`` given the tensor scale -> (E2M1 elements,
-  E4M3 block scales [..., nb]). Shared by the pure-JAX quantizer and the fused Pallas kernel."""
+  E4M3 block scales [..., nb]). The fused Pallas kernel restates it with integer E2M1 codes
+  (``quant_pallas._nvfp4_bits``); the tests hold both bit-equal to the NumPy reference."""
   amax_b = jnp.max(jnp.abs(xb), axis=-1)
   nonfinite = jnp.any(~jnp.isfinite(xb), axis=-1)
   s_b = narrow(jnp.minimum(amax_b / (jnp.float32(E2M1_MAX) * s_t), E4M3_MAX), jnp.float8_e4m3fn)
