@@ -59,9 +59,16 @@ def paired_difference(before: dict, after: dict, k: int = 1) -> dict:
   the mean per-task difference of pass@k (unbiased, from each task's c of n samples; c / n at k = 1)
   and its paired 95 % interval. Pairing removes the spread between tasks (a hard task is hard for
   both policies), so the interval is narrower than the two policies' own intervals suggest."""
-  ids = sorted(set(before) & set(after))
-  d = [pass_at_k(after[i]["n"], after[i]["c"], k) - pass_at_k(before[i]["n"], before[i]["c"], k)
-       for i in ids]
+  return pooled_difference([(before, after)], k)
+
+
+def pooled_difference(pairs: list[tuple[dict, dict]], k: int = 1) -> dict:
+  """``paired_difference`` over several (before, after) pairs scored on the same tasks, such as
+  seed-matched runs of two settings: each task's difference is averaged over the pairs, then the
+  mean over tasks and its 95 % interval, resampling tasks (the pairs share them)."""
+  ids = sorted(set.intersection(*(set(b) & set(a) for b, a in pairs)))
+  d = [float(np.mean([pass_at_k(a[i]["n"], a[i]["c"], k) - pass_at_k(b[i]["n"], b[i]["c"], k)
+                      for b, a in pairs])) for i in ids]
   lo, hi = bootstrap_ci(d)
   return {"mean": float(np.mean(d)) if d else float("nan"), "ci95": [lo, hi], "tasks": len(ids)}
 

@@ -9,7 +9,7 @@ family. An evaluation already written under OUT is reused, so more RL policies c
 
     python -m experiments.rl_heldout_paired --run RUN_DIR [--rl NAME=RL_RUN_DIR ...] [--tasks 300]
         [--out DIR] [--result NAME] [--eval-override rl.temperature=0.7 ...] [--compare A:B ...]
-        [--samples N]
+        [--samples N] [--pool A1:B1,A2:B2 ...]
 
 RUN_DIR is a `composer-jax run` directory; its own `rl/` is the RL policy named "rl" unless --rl
 names others (e.g. RL-only re-runs from the same SFT policy). ``--eval-override`` adds config
@@ -19,7 +19,10 @@ temperature); give each setting its own --out, since evaluations are reused by n
 against its SFT-only control) to the printout and the result's ``comparisons``. ``--samples N``
 (default: the run's ``run.eval_samples``) samples each task N times, and every policy and comparison
 is then also given at pass@k for k = 2, 4, ... up to N (unbiased, from each task's c of N): whether
-RL's sharpening costs coverage at larger k. Give each N its own --out.
+RL's sharpening costs coverage at larger k. Give each N its own --out. ``--pool A1:B1,A2:B2,...``
+adds one difference over several pairs on the same tasks (e.g. seed-matched runs of two settings):
+each task's difference averaged over the pairs, with its bootstrap interval over tasks
+(`recipe.pooled_difference`).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from composer_jax.config import ConfigError, load_config, validate
 from composer_jax.env import synthetic
 from composer_jax.env.tasks import load_tasks
 from composer_jax.eval.bench import pass_at_k
-from composer_jax.recipe import bootstrap_ci, by_family, paired_difference, sft_policy
+from composer_jax.recipe import bootstrap_ci, by_family, paired_difference, pooled_difference, sft_policy
 from composer_jax.rl.loop import eval_run_dir
 from experiments.common import write_result
 
@@ -68,6 +71,8 @@ def main() -> None:
                   help="A:B ... policy A minus policy B, paired by task (repeatable)")
   ap.add_argument("--samples", type=int, default=None,
                   help="samples per task (default: the run's run.eval_samples)")
+  ap.add_argument("--pool", nargs="+", action="extend", default=[],
+                  help="A1:B1,A2:B2,... one difference pooled over several pairs (repeatable)")
   args = ap.parse_args()
   run_cfg = os.path.join(args.run, "config.yaml")
   cfg = load_config(run_cfg)
@@ -94,6 +99,11 @@ def main() -> None:
   for c, pair in zip(args.compare, pairs):  # before any task is drawn or evaluated
     if len(pair) != 2 or not set(pair) <= set(policies):
       raise SystemExit(f"--compare {c}: give A:B with A and B among the policies {sorted(policies)}")
+  pools = [[c.split(":", 1) for c in p.split(",")] for p in args.pool]
+  for p, pool in zip(args.pool, pools):
+    if not all(len(pair) == 2 and set(pair) <= set(policies) for pair in pool):
+      raise SystemExit(f"--pool {p}: give A1:B1,A2:B2,... with every name among the policies "
+                       f"{sorted(policies)}")
   tasks = fresh_tasks(args.run, args.tasks, args.seed, os.path.join(args.out, "tasks"))
   evals = {}
   for name, run_dir in policies.items():
@@ -128,6 +138,12 @@ def main() -> None:
       d = paired_difference(evals[b]["per_task"], evals[a]["per_task"], k)
       comparisons[f"{a}-{b}" + (f"@{k}" if k > 1 else "")] = d
       print(f"{a} - {b}{f' at pass@{k}' if k > 1 else ''}: {d['mean']:+.3f} paired 95% CI "
+            f"[{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]")
+  for p, pool in zip(args.pool, pools):
+    for k in ks:
+      d = pooled_difference([(evals[b]["per_task"], evals[a]["per_task"]) for a, b in pool], k)
+      comparisons[f"pool({p})" + (f"@{k}" if k > 1 else "")] = d
+      print(f"pooled {p}{f' at pass@{k}' if k > 1 else ''}: {d['mean']:+.3f} 95% CI "
             f"[{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]")
   write_result(args.result, {"run": os.path.abspath(args.run), "tasks": len(tasks),
                              "samples": samples, "task_seed": args.seed,

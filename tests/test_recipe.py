@@ -15,6 +15,7 @@ from composer_jax.recipe import (
   anneal_overrides,
   bootstrap_ci,
   paired_difference,
+  pooled_difference,
   stage_config,
   table,
 )
@@ -53,6 +54,21 @@ def test_paired_difference_is_per_task_and_narrower_than_the_unpaired_spread():
   assert 0 < p["ci95"][0] < 0.1 < p["ci95"][1] < 0.2
   lo, hi = bootstrap_ci([v["c"] / v["n"] for v in before.values()])
   assert hi - lo > 2 * (p["ci95"][1] - p["ci95"][0])
+
+
+def test_pooled_difference_averages_each_task_over_the_pairs():
+  """Two seed pairs on 30 shared tasks: pair 1 gains one sample of 2 on tasks 0-9, pair 2 loses
+  one on tasks 0-4. Per task the pooled difference is (0.5 + (-0.5)) / 2 = 0 on 0-4, 0.25 on 5-9
+  and 0 elsewhere: mean 5 * 0.25 / 30. A task only one pair scored is left out."""
+  base = {f"t{i}": {"c": 1, "n": 2} for i in range(30)}
+  up = {k: {"c": 2 if int(k[1:]) < 10 else 1, "n": 2} for k in base}
+  down = {k: {"c": 0 if int(k[1:]) < 5 else 1, "n": 2} for k in base}
+  up["only_here"] = {"c": 2, "n": 2}
+  p = pooled_difference([(base, up), (base, down)])
+  assert p["tasks"] == 30 and p["mean"] == pytest.approx(5 * 0.25 / 30)
+  assert 0 <= p["ci95"][0] < p["mean"] < p["ci95"][1] < 0.25
+  assert p["mean"] == pytest.approx((paired_difference(base, up)["mean"]
+                                     + paired_difference(base, down)["mean"]) / 2, abs=1e-6)
 
 
 def test_paired_difference_at_k_uses_the_unbiased_estimator_per_task():
