@@ -37,7 +37,13 @@ from composer_jax.config import ConfigError, load_config, validate
 from composer_jax.env import synthetic
 from composer_jax.env.tasks import load_tasks
 from composer_jax.eval.bench import pass_at_k
-from composer_jax.recipe import bootstrap_ci, by_family, paired_difference, pooled_difference, sft_policy
+from composer_jax.recipe import (
+  bootstrap_ci,
+  by_family,
+  paired_difference,
+  pooled_difference,
+  sft_policy,
+)
 from composer_jax.rl.loop import eval_run_dir
 from experiments.common import write_result
 
