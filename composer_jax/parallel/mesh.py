@@ -3,9 +3,9 @@
 Axes, outermost first: data, fsdp, expert, context, tensor (tensor innermost so that its collectives
 stay on the fastest links). ``-1`` fills one axis with the remaining devices.
 
-Multi-host: set ``mesh.distributed=true`` and the usual ``jax.distributed`` environment (on Cloud TPU
-nothing else; elsewhere JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) — every process
-then calls ``jax.distributed.initialize()`` before building the mesh.
+Multi-host: set ``mesh.distributed=true`` and the usual ``jax.distributed`` environment (on Cloud TPU,
+SLURM or MPI nothing else; elsewhere JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) —
+every process then calls ``jax.distributed.initialize()`` before building the mesh.
 """
 
 from __future__ import annotations
@@ -29,9 +29,27 @@ def set_cpu_devices(n: int) -> None:
 
 
 def maybe_initialize_distributed(cfg: MeshConfig) -> None:
-  """Join the multi-host job (must run before anything touches the devices)."""
-  if cfg.distributed and not jax.distributed.is_initialized():
-    jax.distributed.initialize()
+  """Join the multi-host job (must run before anything touches the devices).
+
+  JAX reads the coordinator from JAX_COORDINATOR_ADDRESS and detects the process count and id on
+  Cloud TPU, SLURM, Open MPI, mpi4py and Kubernetes; JAX_NUM_PROCESSES / JAX_PROCESS_ID fill them in
+  anywhere else (a GPU box, a fake CPU cluster). CPU processes need a collectives backend to talk to
+  each other at all: gloo.
+  """
+  if not cfg.distributed or jax.distributed.is_initialized():
+    return
+  kw = {}
+  for env, arg in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
+    if os.environ.get(env):
+      try:
+        kw[arg] = int(os.environ[env])
+      except ValueError:
+        raise ConfigError(f"mesh.distributed: {env}={os.environ[env]!r} is not an integer") from None
+  if "num_processes" in kw and not os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    raise ConfigError("mesh.distributed: JAX_NUM_PROCESSES is set but JAX_COORDINATOR_ADDRESS is not; "
+                      "set it to host:port of process 0")
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only the CPU backend reads it
+  jax.distributed.initialize(**kw)
 
 
 def resolve_axis_sizes(cfg: MeshConfig, n_devices: int) -> dict[str, int]:

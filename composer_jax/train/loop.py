@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from composer_jax.config import Config, ConfigError, dump_config
 from composer_jax.data import pipeline, sources
 from composer_jax.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from composer_jax.parallel.multihost import barrier, gather_state, is_primary, local_state
 from composer_jax.train import checkpoint as ckpt_lib
 from composer_jax.train import optim
 from composer_jax.train.step import (
@@ -77,11 +78,16 @@ def get_tokenizer(cfg: Config, out_dir: str, corpus_texts: Callable[[], list[str
     tok = load_tokenizer(path)
   elif init_tok and os.path.exists(init_tok):
     tok = load_tokenizer(init_tok)
+  elif cfg.data.tokenizer == "train" and not is_primary():  # process 0 trains it; read its file
+    barrier("tokenizer")
+    tok = load_tokenizer(path)
   elif cfg.data.tokenizer == "train":
     size = cfg.data.tokenizer_vocab_size or cfg.model.vocab_size
     t0 = time.perf_counter()
     tok = train_bpe(_training_sample(corpus_texts(), int(cfg.data.tokenizer_train_mb * 2**20)), size)
     _log(f"trained a {tok.vocab_size}-token BPE in {time.perf_counter() - t0:.1f}s")
+    tok.save(path)
+    barrier("tokenizer")
   else:
     if not os.path.exists(cfg.data.tokenizer):
       raise ConfigError(f"data.tokenizer={cfg.data.tokenizer!r} does not exist: give 'train', a "
@@ -90,7 +96,7 @@ def get_tokenizer(cfg: Config, out_dir: str, corpus_texts: Callable[[], list[str
   if tok.vocab_size > cfg.model.vocab_size:
     raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                       f"{tok.vocab_size} tokens: raise model.vocab_size")
-  if not os.path.exists(path):
+  if is_primary() and not os.path.exists(path):
     tok.save(path)
   return tok
 
@@ -241,6 +247,17 @@ def init_state(tr: Trainer, params: Any = None, rest: Any = None) -> None:
               "rng": jax.device_put(rng, sh["rng"])}
 
 
+def check_batch(cfg: Config, tr: Trainer) -> None:
+  """data.batch_size must split over the batch-sharded mesh axes, once per accumulation step."""
+  shards = int(np.prod([tr.mesh.shape[a] for a in tr.batch_sharding.spec[0] or ()]))
+  micro = cfg.data.batch_size // cfg.train.grad_accum
+  if micro % shards:
+    axes = " x ".join(f"mesh.{a}={tr.mesh.shape[a]}" for a in tr.batch_sharding.spec[0])
+    raise ConfigError(f"data.batch_size={cfg.data.batch_size} (/ train.grad_accum="
+                      f"{cfg.train.grad_accum}) does not split over the batch axes {axes}: make "
+                      f"each accumulation step's batch a multiple of {shards}")
+
+
 def put_batch(tr: Trainer, batch: dict) -> dict:
   """Every leaf (any rank, leading dim = batch) onto the batch sharding."""
   if jax.process_count() > 1:
@@ -264,10 +281,14 @@ def evaluate(tr: Trainer, batches: list, byte_lengths) -> float:
 
 
 class MetricsLog:
-  """metrics.jsonl + TensorBoard. On resume, lines past the restored step are dropped."""
+  """metrics.jsonl + TensorBoard. On resume, lines past the restored step are dropped. Only process
+  0 writes (every process holds the same global metrics)."""
 
   def __init__(self, out_dir: str, start_step: int):
     self.path = os.path.join(out_dir, "metrics.jsonl")
+    self.file = self.tb = None
+    if not is_primary():
+      return
     kept = []
     if os.path.exists(self.path):
       with open(self.path) as f:
@@ -285,6 +306,8 @@ class MetricsLog:
     self.tb = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=start_step + 1)
 
   def write(self, record: dict) -> None:
+    if self.file is None:
+      return
     self.file.write(json.dumps(record) + "\n")
     self.file.flush()
     for k, v in record.items():
@@ -292,8 +315,9 @@ class MetricsLog:
         self.tb.add_scalar(k, v, record["step"])
 
   def close(self) -> None:
-    self.file.close()
-    self.tb.close()
+    if self.file is not None:
+      self.file.close()
+      self.tb.close()
 
 
 PLOT_KEYS = ("loss", "ce", "mtp_ce", "eval_bpb", "grad_norm", "lr", "tokens_per_s",
@@ -306,7 +330,7 @@ def plot_metrics(out_dir: str, keys: tuple = PLOT_KEYS) -> list[str]:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   path = os.path.join(out_dir, "metrics.jsonl")
-  if not os.path.exists(path):
+  if not is_primary() or not os.path.exists(path):
     return []
   with open(path) as f:
     recs = [json.loads(line) for line in f if line.strip()]
@@ -359,8 +383,9 @@ def run(cfg: Config, out_dir: str, *, stage: str = "pretrain", resume: bool = Fa
     init_dir = os.path.dirname(init_ckpt_dir)
   elif kind:
     init_dir = init
+  tr = build_trainer(cfg, materialize=False)  # abstract: nothing compiled or allocated yet
+  check_batch(cfg, tr)
   data = build_data(cfg, out_dir, stage, init_dir)
-  tr = build_trainer(cfg, materialize=False)
   byte_lengths = jax.device_put(data.tokenizer.byte_lengths(), NamedSharding(tr.mesh, P()))
   ck = ckpt_lib.Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                              every=cfg.checkpoint.every, async_save=cfg.checkpoint.async_save)
@@ -373,7 +398,7 @@ def run(cfg: Config, out_dir: str, *, stage: str = "pretrain", resume: bool = Fa
   if restored is not None:
     start, items = restored
     tr.state = _from_items(items)
-    it.set_state(items["data"])
+    it.set_state(local_state(items["data"], "data iterator state"))
     _log(f"resumed from {ck.directory}/{start}")
   elif init:
     from composer_jax.parallel.rules import make_rules
@@ -387,7 +412,8 @@ def run(cfg: Config, out_dir: str, *, stage: str = "pretrain", resume: bool = Fa
       _log(f"--resume: no checkpoint in {ck.directory} yet; starting from step 0")
     init_state(tr)
   # Only now: a resume that stopped on an incompatible checkpoint leaves the old config in place.
-  dump_config(cfg, os.path.join(out_dir, "config.yaml"))
+  if is_primary():
+    dump_config(cfg, os.path.join(out_dir, "config.yaml"))
   log = MetricsLog(out_dir, start)
   total = cfg.train.steps
   tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -399,8 +425,8 @@ def run(cfg: Config, out_dir: str, *, stage: str = "pretrain", resume: bool = Fa
     log.write({"step": 0, "eval_bpb": bpb})
     _log(f"step 0: held-out {bpb:.4f} bits/byte")
   from tqdm import tqdm
-  bar = tqdm(total=total, initial=start, disable=not cfg.train.progress, unit="step",
-             dynamic_ncols=True)
+  bar = tqdm(total=total, initial=start, disable=not cfg.train.progress or not is_primary(),
+             unit="step", dynamic_ncols=True)
   t_last = time.perf_counter()
   for step in range(start + 1, total + 1):
     batch = put_batch(tr, next(it))
@@ -423,7 +449,7 @@ def run(cfg: Config, out_dir: str, *, stage: str = "pretrain", resume: bool = Fa
       bar.write(f"step {step}: held-out {bpb:.4f} bits/byte")
       t_last = time.perf_counter()
     if ck.should_save(step, total):
-      ck.save(step, _items(tr.state), it.get_state(), _meta(cfg, step, stage))
+      ck.save(step, _items(tr.state), gather_state(it.get_state()), _meta(cfg, step, stage))
   bar.close()
   ck.close()
   log.close()
