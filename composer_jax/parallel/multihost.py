@@ -94,3 +94,25 @@ def local_state(saved: Any, what: str) -> Any:
                       "resume with the same number of processes, or start a new --out with "
                       "--init from this run (weights only)")
   return saved["processes"][jax.process_index()] if per_process else saved
+
+
+def to_host(tree: Any) -> Any:
+  """NumPy copies of a pytree of global arrays: a batch-sharded one is gathered from every process
+  (all processes must call this together), a replicated one is read locally."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+
+  def one(x):
+    if not isinstance(x, jax.Array) or x.is_fully_replicated:
+      return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return jax.tree.map(one, tree)
+
+
+def put_global(arrays: dict, sharding) -> dict:
+  """A dict of whole (global) host arrays, the same on every process, onto ``sharding``."""
+  if jax.process_count() == 1:
+    return jax.device_put(arrays, sharding)
+  return {k: jax.make_array_from_callback(np.shape(v), sharding, lambda idx, v=v: v[idx])
+          for k, v in arrays.items()}

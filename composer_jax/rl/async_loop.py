@@ -35,6 +35,9 @@ class AsyncRLRun(RLRun):
 
   def __init__(self, cfg, out_dir: str, *, init: str | None = None, resume: bool = False, log=print):
     super().__init__(cfg, out_dir, init=init, resume=resume, log=log)
+    self.orch = None
+    if not self.leader:  # a follower process of a multi-host learner: no Ray, no ledger
+      return
     rl = cfg.rl
     self.ledger = Ledger(self.stream)
     if self.resumed_data and "ledger" in self.resumed_data:
@@ -50,8 +53,7 @@ class AsyncRLRun(RLRun):
     self.tokens_since, self.drafts_since = 0, [0, 0]  # drafts proposed, kept (rl.speculative_mtp)
     self.t_last = time.perf_counter()
     self.orch = Orchestrator(cfg, os.path.join(out_dir, "tokenizer.json"), log=log)
-    self.last_broadcast = self.orch.broadcast((self.tr.state["params"], self.tr.state["rest"]),
-                                              self.version)
+    self.last_broadcast = self.orch.broadcast(self.group.weights(self.version), self.version)
 
   # -- work in flight -------------------------------------------------------------------------------
 
@@ -136,8 +138,7 @@ class AsyncRLRun(RLRun):
   def publish(self, version: int) -> None:
     super().publish(version)  # the local engine (end-of-run eval) follows the learner too
     self.version = version
-    self.last_broadcast = self.orch.broadcast((self.tr.state["params"], self.tr.state["rest"]),
-                                              version)
+    self.last_broadcast = self.orch.broadcast(self.group.weights(version), version)
 
   def checkpoint_data(self, step: int) -> dict:
     return {**super().checkpoint_data(step), "ledger": self.ledger.state()}
@@ -146,4 +147,5 @@ class AsyncRLRun(RLRun):
     try:
       return super().run()
     finally:
-      self.orch.shutdown()
+      if self.orch is not None:
+        self.orch.shutdown()

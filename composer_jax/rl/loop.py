@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from composer_jax.config import Config, ConfigError, dump_config
+from composer_jax.parallel.multihost import barrier, is_primary
 from composer_jax.rl import learner as L
 from composer_jax.rl.agent import Job, RolloutRunner
 from composer_jax.rl.curriculum import make_stream
@@ -73,16 +74,22 @@ class RLRun:
   def __init__(self, cfg: Config, out_dir: str, *, init: str | None = None, resume: bool = False,
                log=print):
     from composer_jax.data.tokenizer import load_tokenizer
+    from composer_jax.parallel.mesh import maybe_initialize_distributed
+    from composer_jax.rl.learner_group import LearnerGroup
     from composer_jax.rl.sampler import Engine
     from composer_jax.train import checkpoint as ckpt_lib
     from composer_jax.train.loop import MetricsLog, _from_items, _items, build_trainer
+    maybe_initialize_distributed(cfg.mesh)  # before any device is touched
+    # Several learner processes: process 0 leads (rollouts, batches, files), the others follow
+    # (learner_group.py). One process is its own leader.
+    self.leader = is_primary()
     rl = cfg.rl
     updates = rl.steps * rl.minibatches * rl.epochs  # the optimizer's schedule spans every update
     if cfg.train.steps != updates:
       cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=updates))
     self.cfg, self.out, self.log = cfg, out_dir, log
     self.tasks = load_task_set(rl.tasks, "rl.tasks")
-    self.mode = check_isolation(cfg)
+    self.mode = check_isolation(cfg) if self.leader else None  # followers run no episodes
     os.makedirs(out_dir, exist_ok=True)
     tok_path = os.path.join(out_dir, "tokenizer.json")
     init_ckpt, init_step = ckpt_lib.find_checkpoint(init) if init else (None, None)
@@ -91,9 +98,12 @@ class RLRun:
       if not src or not os.path.exists(src):
         raise ConfigError("rl needs the policy's tokenizer: pass --init RUN_DIR of an sft/pretrain run "
                           "(its tokenizer.json is reused)")
-      shutil.copy(src, tok_path)
+      if self.leader:
+        shutil.copy(src, tok_path)
+    barrier("rl tokenizer")
     self.tok = load_tokenizer(tok_path)
-    dump_config(cfg, os.path.join(out_dir, "config.yaml"))
+    if self.leader:
+      dump_config(cfg, os.path.join(out_dir, "config.yaml"))
     self.tr = build_trainer(cfg, loss_fn=L.make_rl_loss(cfg))
     self.ck = ckpt_lib.Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                                     every=cfg.checkpoint.every, async_save=cfg.checkpoint.async_save)
@@ -123,20 +133,24 @@ class RLRun:
     self.frozen = None
     if (rl.feedback_kl_coef > 0 and rl.feedback_teacher == "frozen") or rl.kl_coef > 0:
       self.frozen = jax.tree.map(jnp.copy, (self.tr.state["params"], self.tr.state["rest"]))
-    self.engine = Engine(self.tr.graphdef, self.tr.state["params"], self.tr.state["rest"], cfg,
+    self.teacher_fn = L.make_teacher_fn(self.tr.graphdef, cfg) if rl.feedback_kl_coef > 0 else None
+    self.logp_fn = _make_logp_fn(self.tr.graphdef, cfg)
+    self.group = LearnerGroup(self)
+    self.group.gather_initial(self.start)  # every process: the sampler's first weights
+    self.metrics = MetricsLog(out_dir, self.start)
+    self.engine = self.runner = self.sft_chats = self.demos = self.rollout_file = None
+    if not self.leader:
+      return
+    self.engine = Engine(self.tr.graphdef, *self.sampler_weights(self.start), cfg,
                          n_slots=rl.decode_batch, max_len=rl.max_context, seed=rl.seed + self.start,
                          version=self.start)
     self.runner = RolloutRunner(self.engine, self.tok, cfg, mode=self.mode, log=log)
-    self.teacher_fn = L.make_teacher_fn(self.tr.graphdef, cfg) if rl.feedback_kl_coef > 0 else None
-    self.logp_fn = _make_logp_fn(self.tr.graphdef, cfg)
     self.sft_chats = _load_sft_chats(rl.sft_mix_path, self.tok) if rl.sft_mix_coef > 0 else None
-    self.demos = None
     if rl.expert_demo_rows > 0:
       from composer_jax.rl.demos import ExpertDemos
       self.demos = ExpertDemos(self.tasks, self.tok, cfg, self.mode, log=log)
       if self.resumed_data and "demos" in self.resumed_data:
         self.demos.set_state(self.resumed_data["demos"])
-    self.metrics = MetricsLog(out_dir, self.start)
     self.rollout_file = open(os.path.join(out_dir, "rollouts.jsonl"), "a")  # noqa: SIM115
 
   # ------------------------------------------------------------------------------------------------
@@ -170,10 +184,7 @@ class RLRun:
         tl = L.bucket(max(len(j.tokens) for j in jobs), rl.max_context)
         tb = L.pack_rows([L.Row(j.tokens, j.experts) for j in jobs], L.row_count(len(jobs), 4), tl,
                          m.n_moe_layers, m.n_experts_per_tok, pad)
-        params, rest = self.frozen if rl.feedback_teacher == "frozen" else (
-            self.tr.state["params"], self.tr.state["rest"])
-        teacher = jax.device_get(self.teacher_fn(params, rest, tb["tokens"], tb["segment_ids"],
-                                                 tb["positions"], tb["experts"]))
+        teacher = self.group.teacher("frozen" if rl.feedback_teacher == "frozen" else "current", tb)
       L.attach_teacher(batch, jobs, teacher, rl.feedback_topk, place)
     if self.sft_chats is not None:  # PPO-ptx rows, after the teacher rows (they index RL rows);
       # the same chats at a given step on every resume
@@ -195,10 +206,10 @@ class RLRun:
       batch["old_logp"] = np.zeros(batch["tokens"].shape, np.float32)
       batch["old_is_current"] = np.ones((n_rows,), np.float32)
     elif rl.minibatches > 1:  # minibatch i runs after i updates: a forward before the first
-      batch["old_logp"] = np.asarray(self.logp_fn(self.tr.state["params"], self.tr.state["rest"], batch))
+      batch["old_logp"] = self.group.logp("current", batch)
       batch["old_is_current"] = np.zeros((n_rows,), np.float32)
     if rl.kl_coef > 0:
-      batch["ref_logp"] = np.asarray(self.logp_fn(*self.frozen, batch))
+      batch["ref_logp"] = self.group.logp("frozen", batch)
     return batch, info
 
   def step(self, step: int) -> dict:
@@ -245,7 +256,6 @@ class RLRun:
     """Score a step's rollouts, update the policy, publish the new weights; the step's metrics.
     ``drawn``: score_rollouts of every group sampled this step, when more than were trained on;
     ``untrained``: the rollouts dynamic sampling set aside (logged, not trained)."""
-    from composer_jax.train.loop import put_batch
     cfg, rl = self.cfg, self.cfg.rl
     t1 = time.perf_counter()
     stats = L.score_rollouts(rollouts, cfg, ks=sorted({1, rl.group_size}))
@@ -257,8 +267,7 @@ class RLRun:
     for _ in range(rl.epochs):
       for i in range(n_mb):
         mb = {k: v[i * per:(i + 1) * per] for k, v in batch.items()}
-        self.tr.state, out = self.tr.step_fn(self.tr.state, put_batch(self.tr, mb))
-        out = jax.device_get(out)
+        out = self.group.train(mb)
         rows = out.pop(ROWS, None)
         if rows is not None and batch["old_is_current"][0] > 0:  # set only with one minibatch
           batch.update(old_logp=rows["logp"], old_is_current=np.zeros_like(batch["old_is_current"]))
@@ -295,7 +304,13 @@ class RLRun:
 
   def publish(self, version: int) -> None:
     """The sampler gets the new weights (the async loop broadcasts them to its workers too)."""
-    self.engine.set_weights(self.tr.state["params"], self.tr.state["rest"], version)
+    self.engine.set_weights(*self.sampler_weights(version), version)
+
+  def sampler_weights(self, version: int):
+    """The policy for the leader's own engine: the trainer's arrays with one process; with several,
+    the gathered host copy on this process's first device (the engine runs on this host alone)."""
+    w = self.group.weights(version)
+    return jax.device_put(w, jax.local_devices()[0]) if self.group.multi else w
 
   def observe(self, task: int, resolved: list[bool]) -> None:
     """A drawn group's outcome, for the task stream's curriculum and the expert demonstrations."""
@@ -310,23 +325,19 @@ class RLRun:
     return data
 
   def run(self) -> dict:
-    from tqdm import tqdm
-
     from composer_jax.train.loop import plot_metrics
     cfg = self.cfg
     total = cfg.rl.steps
-    bar = tqdm(total=total, initial=self.start, disable=not cfg.train.progress, unit="step",
-               dynamic_ncols=True, desc="rl")
-    last: dict = {}
-    for step in range(self.start + 1, total + 1):
-      last = self.step(step)
-      self.metrics.write(last)
-      bar.set_postfix(reward=f"{last['reward_mean']:.3f}", pass_=f"{last['pass_rate']:.2f}")
-      bar.update(1)
-      if self.ck.should_save(step, total):
-        self.ck.save(step, self._items(self.tr.state), self.checkpoint_data(step),
-                     {"step": step, "stage": "rl", "config": cfg.to_dict()})
-    bar.close()
+    if not self.leader:  # a follower: the leader's collective calls, then the end of the run
+      self.group.follow()
+      self.ck.close()
+      return {}
+    try:
+      last = self._steps(total)
+    except BaseException:
+      self.group.stop()  # let the followers exit instead of waiting on a leader that has stopped
+      raise
+    self.group.stop()
     self.ck.close()
     self.metrics.close()
     self.rollout_file.close()
@@ -336,6 +347,23 @@ class RLRun:
       last["eval"] = evaluate(self.runner, tasks, cfg.eval.samples, os.path.join(self.out, "eval"),
                               cfg.eval.k, self.log)
     self.log(f"done: {total} RL steps in {self.out}")
+    return last
+
+  def _steps(self, total: int) -> dict:
+    from tqdm import tqdm
+    cfg = self.cfg
+    bar = tqdm(total=total, initial=self.start, disable=not cfg.train.progress, unit="step",
+               dynamic_ncols=True, desc="rl")
+    last: dict = {}
+    for step in range(self.start + 1, total + 1):
+      last = self.step(step)
+      self.metrics.write(last)
+      bar.set_postfix(reward=f"{last['reward_mean']:.3f}", pass_=f"{last['pass_rate']:.2f}")
+      bar.update(1)
+      if self.ck.should_save(step, total):
+        self.group.save(step, self.checkpoint_data(step),
+                        {"step": step, "stage": "rl", "config": cfg.to_dict()})
+    bar.close()
     return last
 
 
@@ -424,6 +452,11 @@ def load_policy(run_dir: str, overrides: list[str] = ()):
                       "checkpoints/): pass a pretrain/sft/rl --out folder, oracle or null")
   cfg = load_config(cfg_path, list(overrides))
   graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
+  # Onto this process's first device, whatever devices wrote it (a multi-host run's checkpoint
+  # names devices that do not exist here): the sampler engine runs on one host.
+  one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  params, rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+                              (params, rest))
   src = ckpt_lib.Checkpointer(ck_dir, keep=1000, async_save=False)
   targets = {"params": params, "rest": rest}
   got = src.restore_latest(targets, json_items=()) if step is None else (step, src.restore(step, targets, json_items=()))

@@ -1,0 +1,144 @@
+"""The RL learner as several JAX processes (``mesh.distributed=true``), with Ray beside it.
+
+One process, the leader (process 0), does everything host-side: it holds the task stream and the
+ledger, drives the Ray rollout workers (or, with ``rl.async=false``, its own sampler engine), scores
+the rollouts, builds each learner batch and writes the run directory. The other processes, the
+followers, hold their shards of the policy and optimizer state and join only the work that runs
+over the global mesh. ``LearnerGroup`` is that work:
+
+  * ``train(mb)``: one optimizer update on a learner batch;
+  * ``logp(which, batch)`` / ``teacher(which, batch)``: trainer log-probs (old or reference policy)
+    and the feedback teacher's targets, on the current or the frozen initial weights;
+  * ``weights()``: the whole policy as host arrays, for the sampler engine and the broadcast;
+  * ``save(step, data, meta)``: an Orbax checkpoint (every process writes its shards).
+
+The leader calls these; each call first tells the followers which one it is (a JSON command, then
+the batch's arrays, broadcast from process 0), then every process runs it. Followers sit in
+``follow()`` until the leader's ``stop()``. With one process nothing is broadcast and every method
+is the plain single-process call, so the single-host path is unchanged.
+
+Gathering the whole policy onto every host (``weights``) matches rollout workers that each hold a
+full copy; a model too large for one host needs sharded samplers instead (not built here).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from composer_jax.parallel.multihost import (
+  broadcast_arrays,
+  broadcast_json,
+  is_primary,
+  put_global,
+  to_host,
+)
+
+
+class LearnerGroup:
+
+  def __init__(self, run):
+    self.run = run  # an RLRun: its trainer (tr), checkpointer (ck), frozen weights, jitted fns
+    self.multi = jax.process_count() > 1
+    self.leader = is_primary()
+    self._host_weights = None  # (version, weights) of the last gather
+
+  # -- the leader's calls -----------------------------------------------------------------------------
+
+  def _tell(self, op: str, arrays: dict | None = None, **kw) -> dict | None:
+    """Leader: name the op to the followers, then broadcast its arrays. Returns the arrays."""
+    if not self.multi:
+      return arrays
+    broadcast_json({"op": op, **kw})
+    return broadcast_arrays(arrays) if arrays is not None else None
+
+  def train(self, mb: dict) -> dict:
+    return self._train(self._tell("train", mb))
+
+  def logp(self, which: str, batch: dict) -> np.ndarray:
+    keys = ("tokens", "segment_ids", "positions", "experts")
+    sub = {k: batch[k] for k in keys}
+    return self._logp(which, self._tell("logp", sub, which=which))
+
+  def teacher(self, which: str, tb: dict) -> dict:
+    keys = ("tokens", "segment_ids", "positions", "experts")
+    sub = {k: tb[k] for k in keys}
+    return self._teacher(which, self._tell("teacher", sub, which=which))
+
+  def weights(self, version: int):
+    """(params, rest) for the sampler: the trainer's arrays with one process, host copies (gathered
+    from every process) with several."""
+    if not self.multi:
+      return self.run.tr.state["params"], self.run.tr.state["rest"]
+    if self._host_weights is None or self._host_weights[0] != version:
+      self._tell("weights", version=version)
+      self._host_weights = (version, self._weights())
+    return self._host_weights[1]
+
+  def gather_initial(self, version: int) -> None:
+    """Every process, at start-up (before the followers enter ``follow``): the first host copy."""
+    if self.multi:
+      self._host_weights = (version, self._weights())
+
+  def save(self, step: int, data: dict, meta: dict) -> None:
+    self._tell("save", step=step, meta=meta)
+    self._save(step, data, meta)
+
+  def stop(self) -> None:
+    self._tell("stop")
+
+  # -- what every process runs --------------------------------------------------------------------------
+
+  def _params(self, which: str):
+    st = self.run.tr.state
+    return self.run.frozen if which == "frozen" else (st["params"], st["rest"])
+
+  def _inputs(self, arrays: dict) -> dict:
+    if not self.multi:  # as before: host arrays straight into the jitted call
+      return arrays
+    return put_global(arrays, NamedSharding(self.run.tr.mesh, P()))
+
+  def _train(self, mb: dict) -> dict:
+    tr = self.run.tr
+    from composer_jax.train.loop import put_batch
+    batch = put_global(mb, tr.batch_sharding) if self.multi else put_batch(tr, mb)
+    tr.state, out = tr.step_fn(tr.state, batch)
+    return to_host(out)
+
+  def _logp(self, which: str, batch: dict) -> np.ndarray:
+    return np.asarray(to_host(self.run.logp_fn(*self._params(which), self._inputs(batch))))
+
+  def _teacher(self, which: str, tb: dict) -> dict:
+    x = self._inputs(tb)
+    return to_host(self.run.teacher_fn(*self._params(which), x["tokens"], x["segment_ids"],
+                                       x["positions"], x["experts"]))
+
+  def _weights(self):
+    st = self.run.tr.state
+    return to_host((st["params"], st["rest"]))
+
+  def _save(self, step: int, data: dict, meta: dict) -> None:
+    r = self.run
+    r.ck.save(step, r._items(r.tr.state), data, meta)
+
+  def follow(self) -> None:
+    """A follower's loop: run what the leader names, until it says stop."""
+    while True:
+      cmd = broadcast_json(None)
+      op = cmd["op"]
+      if op == "stop":
+        return
+      if op == "train":
+        self._train(broadcast_arrays(None))
+      elif op == "logp":
+        self._logp(cmd["which"], broadcast_arrays(None))
+      elif op == "teacher":
+        self._teacher(cmd["which"], broadcast_arrays(None))
+      elif op == "weights":
+        self._weights()
+      elif op == "save":
+        self._save(cmd["step"], {}, cmd["meta"])
+      else:
+        raise RuntimeError(f"learner group: unknown op {op!r} from the leader")

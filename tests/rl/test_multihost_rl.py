@@ -1,0 +1,125 @@
+"""The RL learner as two JAX processes (jax.distributed over gloo, 4 fake CPU devices each, one
+8-device mesh): process 0 leads (rollouts, batches, files), process 1 follows its collective calls
+(learner_group.py).
+
+  * synchronous RL on two processes trains like one process on the same 8-device mesh: the same
+    rollouts, the same losses;
+  * asynchronous RL (Ray workers fed by the leader) runs on two processes, its workers take the new
+    weights, and a resumed run continues from the checkpoint both processes wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from composer_jax.config import load_config
+from composer_jax.env import sandbox
+from tests.rl.conftest import MODEL, RL
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"]
+# No workers' weight deltas to test here; a small store so that two Ray runs fit a CI box.
+RUN = ["rl.steps=2", "rl.object_store_mb=80", "rl.weight_delta=false"]
+
+pytestmark = pytest.mark.skipif(not sandbox.bwrap_available(),
+                                reason="bubblewrap cannot run here (apt-get install -y bubblewrap)")
+
+
+def _port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def _launch(out, overrides, *extra, n=2, timeout=900):
+  """`composer-jax rl` as ``n`` processes forming one learner (``n`` = 1: a plain single-process
+  run), 8 CPU devices in all; each process's (returncode, output)."""
+  port = _port()
+  procs = []
+  for i in range(n):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // n}")
+    multi = []
+    if n > 1:
+      env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(n),
+                 JAX_PROCESS_ID=str(i))
+      multi = ["mesh.distributed=true"]
+    cmd = [sys.executable, "-m", "composer_jax.cli", "rl", os.path.join(ROOT, "configs/tiny.yaml"),
+           "--out", str(out), *overrides, *multi, *extra]
+    procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True))
+  outs = []
+  try:
+    for p in procs:
+      out_text, _ = p.communicate(timeout=timeout)
+      outs.append((p.returncode, out_text))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  return outs
+
+
+def _jsonl(path) -> list:
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_sync_rl_on_two_processes_trains_like_one(world):
+  import jax
+
+  from composer_jax.rl.loop import load_policy
+  root, init, tasks = world
+  over = MODEL + RL + MESH + RUN + [f"rl.tasks={tasks}"]
+  one, two = root / "mh_one", root / "mh_two"
+  # Both as fresh processes (this one's JAX settings, e.g. its compilation cache, are not theirs).
+  for d, n in ((one, 1), (two, 2)):
+    for rc, text in _launch(d, over, "--init", init, n=n):
+      assert rc == 0, text[-3000:]
+  a, b = _jsonl(one / "metrics.jsonl"), _jsonl(two / "metrics.jsonl")
+  assert [r["step"] for r in b] == [1, 2]  # written once, by the leader
+  ra, rb = _jsonl(one / "rollouts.jsonl"), _jsonl(two / "rollouts.jsonl")
+  step1 = [[r["messages"] for r in rs if r["step"] == 1] for rs in (ra, rb)]
+  # The same episodes from the same initial weights (the leader samples on its own devices, the
+  # single process on all 8: the same tokens here).
+  assert step1[0] == step1[1]
+  # The same batch broadcast to both processes, the same update over the 8-device mesh; only the
+  # cross-process all-reduce (gloo) may sum in another order.
+  for k in ("loss", "pg_loss", "grad_norm", "entropy", "approx_kl"):
+    np.testing.assert_allclose(b[0][k], a[0][k], rtol=1e-4, atol=1e-7, err_msg=k)
+  assert np.isfinite(b[1]["loss"]) and b[1]["version"] == 2
+  # Both processes wrote their shards of the checkpoint: it restores to the reference's weights.
+  pa, pb = (load_policy(str(d / "checkpoints" / "1"))[3] for d in (one, two))
+  for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-4, atol=1e-6)
+  assert sorted(int(n) for n in os.listdir(two / "checkpoints") if n.isdigit()) == [1, 2]
+
+
+@pytest.mark.slow
+def test_async_rl_on_two_processes_runs_broadcasts_and_resumes(world):
+  pytest.importorskip("ray")
+  root, init, tasks = world
+  out = root / "mh_async"
+  over = MODEL + RL + MESH + RUN + [f"rl.tasks={tasks}", "rl.async=true", "rl.num_workers=1",
+                                    "rl.max_staleness=1", "rl.steps=3"]
+  for rc, text in _launch(out, over, "--init", init):
+    assert rc == 0, text[-3000:]
+  recs = _jsonl(out / "metrics.jsonl")
+  assert [r["step"] for r in recs] == [1, 2, 3]
+  # At step 3 the learner is at version 2 and trains nothing older than version 1: the worker took
+  # weights the two processes gathered and the leader broadcast.
+  assert recs[2]["staleness_max"] <= 1 and recs[2]["weight_swaps"] >= 1
+  with open(out / "checkpoints" / "3" / "data" / "metadata") as f:
+    data = json.load(f)
+  assert data["version"] == 3 and "ledger" in data
+  for rc, text in _launch(out, [*over, "rl.steps=4"], "--resume"):
+    assert rc == 0, text[-3000:]
+    assert "resumed from" in text
+  assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
