@@ -28,7 +28,12 @@ from jax.sharding import PartitionSpec as P
 from composer_jax.config import Config, ConfigError, dump_config
 from composer_jax.data import pipeline, sources
 from composer_jax.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
-from composer_jax.parallel.multihost import barrier, gather_state, is_primary, local_state
+from composer_jax.parallel.multihost import (
+  barrier,
+  gather_state,
+  is_primary,
+  local_state,
+)
 from composer_jax.train import checkpoint as ckpt_lib
 from composer_jax.train import optim
 from composer_jax.train.step import (

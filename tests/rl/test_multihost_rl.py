@@ -19,7 +19,6 @@ import sys
 import numpy as np
 import pytest
 
-from composer_jax.config import load_config
 from composer_jax.env import sandbox
 from tests.rl.conftest import MODEL, RL
 
