@@ -31,10 +31,11 @@ from jax.sharding import PartitionSpec as P
 from composer_jax.parallel.multihost import (
   broadcast_arrays,
   broadcast_json,
-  is_primary,
   put_global,
   to_host,
 )
+
+FORWARD_KEYS = ("tokens", "segment_ids", "positions", "experts")  # what a forward of a batch reads
 
 
 class LearnerGroup:
@@ -42,7 +43,6 @@ class LearnerGroup:
   def __init__(self, run):
     self.run = run  # an RLRun: its trainer (tr), checkpointer (ck), frozen weights, jitted fns
     self.multi = jax.process_count() > 1
-    self.leader = is_primary()
     self._host_weights = None  # (version, weights) of the last gather
 
   # -- the leader's calls -----------------------------------------------------------------------------
@@ -58,13 +58,11 @@ class LearnerGroup:
     return self._train(self._tell("train", mb))
 
   def logp(self, which: str, batch: dict) -> np.ndarray:
-    keys = ("tokens", "segment_ids", "positions", "experts")
-    sub = {k: batch[k] for k in keys}
+    sub = {k: batch[k] for k in FORWARD_KEYS}
     return self._logp(which, self._tell("logp", sub, which=which))
 
   def teacher(self, which: str, tb: dict) -> dict:
-    keys = ("tokens", "segment_ids", "positions", "experts")
-    sub = {k: tb[k] for k in keys}
+    sub = {k: tb[k] for k in FORWARD_KEYS}
     return self._teacher(which, self._tell("teacher", sub, which=which))
 
   def weights(self, version: int):
