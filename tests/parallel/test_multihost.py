@@ -139,3 +139,26 @@ def test_one_process_refuses_a_two_process_checkpoint_in_one_line(runs, tmp_path
   err = p.stderr.strip().splitlines()
   assert "saved by 2 process(es) and this run has 1" in err[-1], p.stderr[-2000:]
   assert "Traceback" not in p.stderr
+
+
+def test_a_batch_that_does_not_split_over_the_batch_axes_is_refused_in_one_line():
+  from composer_jax.config import ConfigError, load_config
+  from composer_jax.train.loop import build_trainer, check_batch
+  cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"),
+                    [*SMALL, "mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "data.batch_size=4"])
+  tr = build_trainer(cfg, materialize=False)  # abstract: nothing compiled
+  with pytest.raises(ConfigError, match=r"data.batch_size=4 .* mesh.data=2 x mesh.fsdp=2 x "
+                                        r"mesh.expert=2: .* multiple of 8"):
+    check_batch(cfg, tr)
+
+
+def test_bad_process_environment_is_refused_in_one_line(monkeypatch):
+  from composer_jax.config import ConfigError, MeshConfig
+  from composer_jax.parallel.mesh import maybe_initialize_distributed
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
+  with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES='two' is not an integer"):
+    maybe_initialize_distributed(MeshConfig(distributed=True))
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+  with pytest.raises(ConfigError, match="JAX_COORDINATOR_ADDRESS is not"):
+    maybe_initialize_distributed(MeshConfig(distributed=True))
