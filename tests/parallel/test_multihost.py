@@ -33,14 +33,14 @@ def _port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(out, *extra, n=2, timeout=600):
-  """``n`` processes of `composer-jax pretrain` forming one job; returns their (rc, output)."""
+def _launch(out, *extra, n=2, stage="pretrain", timeout=600):
+  """``n`` processes of `composer-jax STAGE` forming one job; returns their (rc, output)."""
   port = _port()
   procs = []
   for i in range(n):
     env = dict(_env(), JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(n),
                JAX_PROCESS_ID=str(i))
-    cmd = [sys.executable, "-m", "composer_jax.cli", "pretrain",
+    cmd = [sys.executable, "-m", "composer_jax.cli", stage,
            os.path.join(ROOT, "configs/tiny.yaml"), "--out", str(out), "--cpu-devices", str(8 // n),
            *SMALL, *MESH, *STEPS, *extra]
     procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -162,3 +162,19 @@ def test_bad_process_environment_is_refused_in_one_line(monkeypatch):
   monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
   with pytest.raises(ConfigError, match="JAX_COORDINATOR_ADDRESS is not"):
     maybe_initialize_distributed(MeshConfig(distributed=True))
+
+
+def test_sft_on_two_processes_starts_from_a_two_process_run(runs, tmp_path):
+  a, _, _ = runs
+  chats = [[{"role": "user", "content": f"add {i} and 2"},
+            {"role": "assistant", "content": f"The answer is {i + 2}."}] for i in range(16)]
+  path = tmp_path / "sft.jsonl"
+  path.write_text("\n".join(json.dumps({"messages": c}) for c in chats) + "\n")
+  out = tmp_path / "sft"
+  for rc, text in _launch(out, "--init", str(a), f"data.sft_path={path}", "train.steps=2",
+                          "checkpoint.every=0", stage="sft"):
+    assert rc == 0, text[-3000:]
+    assert "initialised weights from" in text
+  assert sorted(_losses(out)) == [1, 2]
+  with open(out / "checkpoints" / "2" / "data" / "metadata") as f:
+    assert json.load(f)["process_count"] == 2
