@@ -14,47 +14,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from tests.parallel.cluster import run_cluster
 from tests.train.test_resume import ROOT, SMALL, _env, _losses
 
-MESH = ["mesh.distributed=true", "mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"]
+MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"]
 STEPS = ["data.batch_size=8", "train.steps=4", "checkpoint.every=2", "train.eval_every=2"]
 
 
-def _port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
-def _launch(out, *extra, n=2, stage="pretrain", timeout=600):
+def _launch(out, *extra, n=2, stage="pretrain"):
   """``n`` processes of `composer-jax STAGE` forming one job; returns their (rc, output)."""
-  port = _port()
-  procs = []
-  for i in range(n):
-    env = dict(_env(), JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(n),
-               JAX_PROCESS_ID=str(i))
-    cmd = [sys.executable, "-m", "composer_jax.cli", stage,
-           os.path.join(ROOT, "configs/tiny.yaml"), "--out", str(out), "--cpu-devices", str(8 // n),
-           *SMALL, *MESH, *STEPS, *extra]
-    procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True))
-  outs = []
-  for p in procs:
-    try:
-      out_text, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-    outs.append((p.returncode, out_text))
-  return outs
+  return run_cluster([stage, os.path.join(ROOT, "configs/tiny.yaml"), "--out", str(out), *SMALL,
+                      *MESH, *STEPS, *extra], n=n, env=_env())
 
 
 @pytest.fixture(scope="module")

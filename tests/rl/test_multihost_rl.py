@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from composer_jax.env import sandbox
+from tests.parallel.cluster import ROOT, run_cluster
 from tests.rl.conftest import MODEL, RL
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"]
 # No workers' weight deltas to test here; a small store so that two Ray runs fit a CI box.
 RUN = ["rl.steps=2", "rl.object_store_mb=80", "rl.weight_delta=false"]
@@ -31,39 +28,10 @@ pytestmark = pytest.mark.skipif(not sandbox.bwrap_available(),
                                 reason="bubblewrap cannot run here (apt-get install -y bubblewrap)")
 
 
-def _port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
-def _launch(out, overrides, *extra, n=2, timeout=900):
-  """`composer-jax rl` as ``n`` processes forming one learner (``n`` = 1: a plain single-process
-  run), 8 CPU devices in all; each process's (returncode, output)."""
-  port = _port()
-  procs = []
-  for i in range(n):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // n}")
-    multi = []
-    if n > 1:
-      env.update(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES=str(n),
-                 JAX_PROCESS_ID=str(i))
-      multi = ["mesh.distributed=true"]
-    cmd = [sys.executable, "-m", "composer_jax.cli", "rl", os.path.join(ROOT, "configs/tiny.yaml"),
-           "--out", str(out), *overrides, *multi, *extra]
-    procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True))
-  outs = []
-  try:
-    for p in procs:
-      out_text, _ = p.communicate(timeout=timeout)
-      outs.append((p.returncode, out_text))
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  return outs
+def _launch(out, overrides, *extra, n=2):
+  """`composer-jax rl` as ``n`` processes forming one learner (``n`` = 1: a plain run)."""
+  return run_cluster(["rl", os.path.join(ROOT, "configs/tiny.yaml"), "--out", str(out), *overrides,
+                      *extra], n=n)
 
 
 def _jsonl(path) -> list:
