@@ -13,7 +13,8 @@ Metrics beyond the sync loop's: ``rollout_s`` is the time the learner waited for
 (``learner_idle_frac`` = that / step time), ``rollout_idle_frac`` (workers' time outside units),
 ``rollout_tokens_per_s`` (tokens the workers sampled per second of wall time, dropped ones included),
 ``staleness_mean/max`` (of the groups taken this step), ``dropped_stale``, ``worker_deaths``, ``unit_errors``, ``requeued``, ``full_copies``,
-``checksum_failures``, ``weight_swaps``, ``broadcast_s/bytes/kind``.
+``checksum_failures``, ``weight_swaps``, ``worker_devices`` (the fewest devices a worker's sampler
+spans: rl.worker_devices), ``broadcast_s/bytes/kind``.
 The checkpoint carries the ledger (task stream, re-queued and pending tasks) next to the version and
 the trainer's RNG; a resumed run re-queues every task that was handed out but not trained on.
 """
@@ -126,6 +127,7 @@ class AsyncRLRun(RLRun):
         "full_copies": int(sum(w["full_copies"] for w in ws)),
         "checksum_failures": int(sum(w["checksum_failures"] for w in ws)),
         "weight_swaps": int(sum(w["swaps"] for w in ws)),
+        "worker_devices": int(min(w["devices"] for w in ws)),
         "learner_idle_frac": waited / max(now - t0, 1e-9),
         "rollout_idle_frac": 1.0 - busy / alive if alive else 0.0,
         "rollout_tokens_per_s": self.tokens_since / max(now - self.t_last, 1e-9),

@@ -1,7 +1,7 @@
 """Rollout workers on Ray, the learner's ledger of handed-out work, and the weight broadcast.
 
-Each ``RolloutWorker`` is a Ray actor (1 CPU, ``JAX_PLATFORMS=cpu``) holding its own sampler engine
-and environment pool (``RolloutRunner``, sandboxed: ``require_isolation`` as in the sync loop). It has
+Each ``RolloutWorker`` is a Ray actor (1 CPU and, with ``rl.worker_devices``, its own accelerators:
+``rl/worker_devices.py``) holding its own sampler engine, on a mesh over its devices, and environment pool (``RolloutRunner``, sandboxed: ``require_isolation`` as in the sync loop). It has
 two concurrency groups: ``rollouts`` runs one unit of work at a time (a few task groups played with
 continuous batching), ``weights`` takes broadcast messages while a unit runs. A message is the
 ``weights.Publisher`` chain of object-store refs (one put, many gets); the engine applies the newest
@@ -108,6 +108,7 @@ class RolloutWorker:
     from composer_jax.data.tokenizer import load_tokenizer
     from composer_jax.env.sandbox import require_isolation
     from composer_jax.model.build import abstract_model
+    from composer_jax.rl import worker_devices
     from composer_jax.rl.agent import RolloutRunner
     from composer_jax.rl.loop import load_task_set
     from composer_jax.rl.weights import Receiver
@@ -119,6 +120,10 @@ class RolloutWorker:
     self.id, self.seed = worker_id, seed
     self.graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
     self.treedef = jax.tree_util.tree_structure((params, rest))
+    # rl.worker_devices > 1: the sampler's mesh over this actor's devices, and each broadcast tensor's
+    # sharding on it (every device receives only its slices).
+    self.mesh = worker_devices.sampler_mesh(cfg)
+    self.shardings = worker_devices.leaf_shardings(cfg, (params, rest), self.mesh)
     # No host copy of a full update: _swap hands the store's read-only buffers to weights.to_device,
     # which on CPU aliases them (the workers share one copy; the engine donates only its caches).
     self.rx = Receiver(get=ray.get, copy=False)
@@ -139,6 +144,13 @@ class RolloutWorker:
   def info(self) -> dict:
     return {"pid": os.getpid(), "busy": self.busy, "version": self.rx.version}
 
+  def devices(self) -> int:
+    """Devices the sampler's weights are spread over (0 before the first weights arrive)."""
+    import jax
+    if self.engine is None:
+      return 0
+    return len(set().union(*(a.devices() for a in jax.tree.leaves(self.engine.params))))
+
   # -- rollouts group -----------------------------------------------------------------------------
 
   def _swap(self) -> None:
@@ -149,12 +161,12 @@ class RolloutWorker:
       chain, self.mailbox = self.mailbox, None
     if chain is None or not self.rx.apply(chain):
       return
-    params, rest = jax.tree_util.tree_unflatten(self.treedef, to_device(self.rx.arrays))
+    params, rest = jax.tree_util.tree_unflatten(self.treedef, to_device(self.rx.arrays, self.shardings))
     if self.engine is None:
       rl = self.cfg.rl
       self.engine = _swap_engine_class()(self.graphdef, params, rest, self.cfg, n_slots=rl.decode_batch,
                                          max_len=rl.max_context, seed=self.seed,
-                                         version=self.rx.version, swap=self._swap)
+                                         version=self.rx.version, mesh=self.mesh, swap=self._swap)
       self.runner = self._RolloutRunner(self.engine, self.tok, self.cfg, mode=self.mode)
     else:
       self.engine.set_weights(params, rest, self.rx.version)
@@ -190,7 +202,7 @@ class RolloutWorker:
             "drafts_kept": int(kept),
             "busy_s": self.busy_s, "alive_s": time.perf_counter() - self.born,
             "full_copies": self.rx.full_copies, "checksum_failures": self.rx.checksum_failures,
-            "swaps": self.swaps}
+            "swaps": self.swaps, "devices": self.devices()}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,12 +223,14 @@ def _local_ray(rl) -> dict:
   return out
 
 
-def _runtime_env() -> dict:
-  """JAX on CPU inside actors, one thread pool each; the persistent compilation cache is shared so a
-  second (or replacement) worker loads what the first compiled."""
+def _runtime_env(cfg: Config) -> dict:
+  """JAX on the worker's platform inside actors (CPU by default, one thread pool each); the
+  persistent compilation cache is shared so a second (or replacement) worker loads what the first
+  compiled."""
   import jax
-  env = {"JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1", "XLA_FLAGS": "",
-         "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+  from composer_jax.rl.worker_devices import actor_env
+  env = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3", **actor_env(cfg)}
   cache = jax.config.jax_compilation_cache_dir
   if cache:
     env["JAX_COMPILATION_CACHE_DIR"] = cache
@@ -233,14 +247,16 @@ class Orchestrator:
     import ray
 
     from composer_jax.rl.weights import Publisher
+    from composer_jax.rl.worker_devices import actor_resources
     self.cfg, self.tok_path, self.log = cfg, tok_path, log
     rl = cfg.rl
     self.own_ray = not ray.is_initialized()
     if self.own_ray:
       ray.init(address=rl.ray_address or None, include_dashboard=False, log_to_driver=False,
                configure_logging=False, **({} if rl.ray_address else _local_ray(rl)))
-    self.actor_cls = ray.remote(num_cpus=1, max_restarts=0, concurrency_groups={"weights": 1, "rollouts": 1})(
-        worker_cls or RolloutWorker).options(runtime_env=_runtime_env())
+    self.actor_cls = ray.remote(max_restarts=0, concurrency_groups={"weights": 1, "rollouts": 1},
+                                **actor_resources(cfg))(
+        worker_cls or RolloutWorker).options(runtime_env=_runtime_env(cfg))
     self.publisher = Publisher(rl.full_sync_every, rl.weight_delta, put=ray.put)
     # rl.worker_cpus: on a Ray of our own, the learner (this process) and the workers on their own cores.
     self.cpus = split(rl.worker_cpus) if self.own_ray and not rl.ray_address else None

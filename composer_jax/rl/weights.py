@@ -129,13 +129,15 @@ def decode(update: Update, prev: list | None, copy: bool = True) -> list[np.ndar
   return out
 
 
-def to_device(arrays: list[np.ndarray]) -> list:
+def to_device(arrays: list[np.ndarray], shardings: list | None = None) -> list:
   """A worker's tensors as jax arrays. ``jax.device_put``, not ``jnp.asarray``: on CPU it aliases a
   64-byte-aligned host buffer instead of copying it (Ray aligns every store buffer of 2 KiB and
   more), so the workers on one machine share the store's copy of a full update and a swap copies
-  nothing; the jax arrays keep the buffers alive. On GPU/TPU it is the host-to-device copy."""
+  nothing; the jax arrays keep the buffers alive. On GPU/TPU it is the host-to-device copy.
+  ``shardings`` (one per tensor; a worker over several devices, rl/worker_devices.py): each device
+  gets only its own slice of each tensor."""
   import jax
-  return jax.device_put(list(arrays))
+  return jax.device_put(list(arrays), None if shardings is None else list(shardings))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -215,13 +215,15 @@ def test_async_run_survives_a_killed_worker(world):
   """1 Ray worker, 2 learner steps of 2 tasks x 2 samples. The worker is SIGKILLed while it plays the
   first unit; its unit is re-queued, a replacement joins, the run finishes. Every trained trajectory
   is within rl.max_staleness of the learner; the 4 tasks are each trained once (one epoch). Then a
-  resumed run trains the tasks the checkpoint held as pending."""
+  resumed run trains the tasks the checkpoint held as pending. The workers sample on a mesh of 2 fake
+  CPU devices (rl.worker_devices=2, the experts split over them): the replacement builds it too."""
   pytest.importorskip("ray")
   from composer_jax.rl.async_loop import AsyncRLRun
   root, init, tasks = world
   out = root / "async"
   cfg = load_config(None, MODEL + RL + [f"rl.tasks={tasks}", "rl.async=true", "rl.num_workers=1",
-                                        "rl.max_staleness=1", "rl.full_sync_every=2", "rl.steps=2"])
+                                        "rl.max_staleness=1", "rl.full_sync_every=2", "rl.steps=2",
+                                        "rl.worker_devices=2", "rl.worker_mesh={expert: 2}"])
   run = AsyncRLRun(cfg, str(out), init=init)
   try:
     run.top_up()
@@ -242,6 +244,7 @@ def test_async_run_survives_a_killed_worker(world):
   for r in recs:
     assert r["staleness_max"] <= 1 and 0 <= r["learner_idle_frac"] <= 1
     assert r["rollout_tokens_per_s"] > 0 and r["completion_tokens_mean"] > 0
+    assert r["worker_devices"] == 2  # every worker's sampler spread over its two devices
   assert recs[0]["broadcast_kind"] == "delta" and recs[1]["broadcast_kind"] == "full"
   seen = [r["task"] for r in _jsonl(out / "rollouts.jsonl")]
   assert len(seen) == 8  # 2 steps x 2 groups of 2

@@ -1,0 +1,142 @@
+"""The devices of a rollout worker and its sampler's mesh over them (``rl.worker_devices``).
+
+With ``rl.worker_devices=0`` (the default) a Ray rollout worker is one CPU process holding the whole
+policy on one CPU device. With ``N >= 1`` it holds N devices of ``rl.worker_platform``: Ray reserves
+them for the actor (``num_gpus=N``, or N ``TPU`` resources; on a GPU node Ray sets the actor's
+``CUDA_VISIBLE_DEVICES``), the worker lays its sampler's mesh over them (``rl.worker_mesh``, axis
+sizes as in the ``mesh`` section; ``{}`` = every device on ``tensor``) and places every broadcast
+tensor shard by shard with the trainer's rule table, so a policy larger than one device still
+decodes. ``worker_platform=cpu`` with N > 1 gives the actor N fake host devices: the path the tests
+take, the same code as on accelerators.
+
+The sizes are checked with the config (``check``), before Ray or a compile starts: the mesh must use
+exactly the worker's devices and divide the decode batch over its batch axes, and every parameter
+must split over it by the rule table (checked on the abstract model); context parallelism is not a
+decode layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from composer_jax.config import Config, ConfigError, MeshConfig
+
+_AXES = ("data", "fsdp", "expert", "context", "tensor")
+_JAX_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+
+
+def mesh_sizes(cfg: Config) -> dict[str, int]:
+  """The sampler mesh's axis sizes (every axis named, -1 resolved); ConfigError on a bad one."""
+  rl, n = cfg.rl, cfg.rl.worker_devices
+  given = dict(rl.worker_mesh or {})
+  if given and n < 1:
+    raise ConfigError(f"rl.worker_mesh={given} needs rl.worker_devices >= 1 (the devices it spans)")
+  for axis, size in given.items():
+    if axis not in _AXES:
+      raise ConfigError(f"rl.worker_mesh.{axis}: unknown mesh axis; known: {list(_AXES)}")
+    if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+      raise ConfigError(f"rl.worker_mesh.{axis}={size!r} must be an integer >= 1 or -1 (fill)")
+  sizes = {a: int(given.get(a, 1)) for a in _AXES}
+  if not given:
+    sizes["tensor"] = max(n, 1)
+  fill = [a for a, s in sizes.items() if s == -1]
+  if len(fill) > 1:
+    raise ConfigError(f"rl.worker_mesh: at most one axis may be -1, got {fill}")
+  fixed = int(np.prod([s for s in sizes.values() if s != -1]))
+  if fill:
+    if n % fixed:
+      raise ConfigError(f"rl.worker_mesh: the fixed axes use {fixed} devices, which does not divide "
+                        f"rl.worker_devices={n}")
+    sizes[fill[0]] = n // fixed
+  total = int(np.prod(list(sizes.values())))
+  if n >= 1 and total != n:
+    raise ConfigError(f"rl.worker_mesh={given} spans {total} devices but rl.worker_devices={n}: make "
+                      "them equal")
+  return sizes
+
+
+def check(cfg: Config) -> None:
+  """Every refusal of a worker layout, in one line each (called by config_check)."""
+  rl = cfg.rl
+  if rl.worker_devices < 0:
+    raise ConfigError(f"rl.worker_devices={rl.worker_devices} must be >= 0 (0 = one CPU device)")
+  if rl.worker_devices == 0 and rl.worker_platform != "cpu":
+    raise ConfigError(f"rl.worker_platform={rl.worker_platform} needs rl.worker_devices >= 1 (the "
+                      "accelerators each rollout worker reserves)")
+  s = mesh_sizes(cfg)
+  if s["context"] > 1:
+    raise ConfigError("rl.worker_mesh.context must be 1: the sampler decodes one token a row, which "
+                      "context parallelism does not split; use tensor or expert")
+  batch = s["data"] * s["fsdp"] * s["expert"]
+  if rl.decode_batch % batch:
+    raise ConfigError(f"rl.decode_batch={rl.decode_batch} is not divisible by the worker mesh's batch "
+                      f"axes (data x fsdp x expert = {batch}): change rl.decode_batch or rl.worker_mesh")
+  if rl.worker_devices > 1:
+    _check_params(cfg, s)
+
+
+def _check_params(cfg: Config, sizes: dict) -> None:
+  """Every parameter's layout on the worker mesh, from the abstract model (nothing allocated): the
+  rule table's one-line refusal of a dim the mesh does not divide, named as the worker's."""
+  import types
+
+  from flax import nnx
+
+  from composer_jax.model.build import abstract_model
+  from composer_jax.parallel.rules import make_rules, state_specs
+  _, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
+  try:
+    state_specs((params, rest), types.SimpleNamespace(shape=sizes), make_rules(cfg.mesh.rules))
+  except ConfigError as e:
+    raise ConfigError(f"rl.worker_mesh {sizes}: {e}") from None
+
+
+def actor_resources(cfg: Config) -> dict:
+  """Ray resources of one rollout actor: 1 CPU, plus its accelerators."""
+  rl = cfg.rl
+  out: dict = {"num_cpus": 1}
+  if rl.worker_devices and rl.worker_platform == "gpu":
+    out["num_gpus"] = rl.worker_devices
+  elif rl.worker_devices and rl.worker_platform == "tpu":
+    out["resources"] = {"TPU": rl.worker_devices}
+  return out
+
+
+def actor_env(cfg: Config) -> dict:
+  """Environment variables of a rollout actor's process (before JAX starts in it)."""
+  rl = cfg.rl
+  env = {"JAX_PLATFORMS": _JAX_PLATFORMS[rl.worker_platform]}
+  # Fake host devices only where the worker asks for several CPU devices; XLA_FLAGS is set either
+  # way so that the learner's own flags (e.g. a test's 8 fake devices) do not leak into the actor.
+  n = rl.worker_devices if rl.worker_platform == "cpu" and rl.worker_devices > 1 else 0
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}" if n else ""
+  return env
+
+
+def sampler_mesh(cfg: Config):
+  """The worker's mesh over its first ``rl.worker_devices`` local devices, or None (one device)."""
+  import jax
+
+  from composer_jax.parallel.mesh import build_mesh
+  n = cfg.rl.worker_devices
+  if n <= 1:
+    return None
+  devices = jax.local_devices()
+  if len(devices) < n:
+    raise ConfigError(f"rl.worker_devices={n}, but this rollout worker sees {len(devices)} "
+                      f"{devices[0].platform} device(s): check the node's accelerators (Ray's "
+                      "num_gpus / TPU resources) or lower rl.worker_devices")
+  sizes = mesh_sizes(cfg)
+  return build_mesh(MeshConfig(**sizes, rules=dict(cfg.mesh.rules)), devices=devices[:n])
+
+
+def leaf_shardings(cfg: Config, abstract_tree, mesh) -> list | None:
+  """One NamedSharding per leaf of ``abstract_tree`` (the (params, rest) of ``nnx.split``), in leaf
+  order, from the trainer's rule table; None without a mesh (one device)."""
+  import jax
+
+  from composer_jax.parallel.rules import make_rules, state_shardings
+  if mesh is None:
+    return None
+  shardings = state_shardings(abstract_tree, mesh, make_rules(cfg.mesh.rules))
+  return jax.tree.leaves(shardings)

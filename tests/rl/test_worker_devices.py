@@ -1,0 +1,88 @@
+"""Rollout workers over several devices (rl.worker_devices, rl/worker_devices.py): the one-line
+refusals of a layout, the actor's resources and environment, and a sampler whose weights are placed
+shard by shard on a tensor x expert mesh of fake CPU devices, against the same sampler on one device.
+(The Ray worker itself on a 2-device mesh: tests/rl/test_async.py's fault test.)"""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from composer_jax.config import ConfigError, load_config
+from composer_jax.rl import worker_devices as WD
+from composer_jax.rl.sampler import Engine, Request
+from composer_jax.rl.weights import to_device
+from composer_jax.train.step import split_model
+from tests.rl.test_sampler import _setup
+
+LAYOUT = ["model.vocab_size=96", "rl.decode_batch=4", "rl.worker_devices=4",
+          "rl.worker_mesh={tensor: 2, expert: 2}"]
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["rl.worker_mesh={tensor: 2}"], r"rl.worker_mesh=\{'tensor': 2\} needs rl.worker_devices >= 1"),
+    (["rl.worker_devices=2", "rl.worker_mesh={tensor: 4}"], "spans 4 devices but rl.worker_devices=2"),
+    (["rl.worker_devices=2", "rl.worker_mesh={tesnor: 2}"], "rl.worker_mesh.tesnor: unknown mesh axis"),
+    (["rl.worker_devices=4", "rl.worker_mesh={expert: 4}", "rl.decode_batch=6"],
+     r"rl.decode_batch=6 is not divisible by the worker mesh's batch axes \(data x fsdp x expert = 4\)"),
+    (["rl.worker_devices=2", "rl.worker_mesh={context: 2}"], "rl.worker_mesh.context must be 1"),
+    (["rl.worker_platform=gpu"], "rl.worker_platform=gpu needs rl.worker_devices >= 1"),
+    (["rl.worker_devices=-1"], "rl.worker_devices=-1 must be >= 0"),
+    # Every parameter is laid out on the abstract model: 2048 ids do not split over tensor=3.
+    (["rl.worker_devices=3"], r"rl.worker_mesh .*'tensor': 3.*dim 'vocab' of size 2048 is not divisible"),
+])
+def test_a_bad_worker_layout_is_refused_in_one_line(overrides, match):
+  with pytest.raises(ConfigError, match=match) as e:
+    load_config("configs/tiny.yaml", overrides)
+  assert "\n" not in str(e.value)
+
+
+def test_actor_resources_and_environment():
+  cpu = load_config("configs/tiny.yaml")
+  assert WD.actor_resources(cpu) == {"num_cpus": 1}
+  assert WD.actor_env(cpu) == {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # the learner's flags stay out
+  assert WD.mesh_sizes(cpu)["tensor"] == 1 and WD.sampler_mesh(cpu) is None
+  gpu = load_config("configs/tiny.yaml", ["rl.worker_devices=8", "rl.worker_platform=gpu",
+                                          "rl.worker_mesh={expert: -1, tensor: 2}"])
+  assert WD.actor_resources(gpu) == {"num_cpus": 1, "num_gpus": 8}
+  assert WD.actor_env(gpu) == {"JAX_PLATFORMS": "cuda", "XLA_FLAGS": ""}
+  assert WD.mesh_sizes(gpu) == {"data": 1, "fsdp": 1, "expert": 4, "context": 1, "tensor": 2}
+  tpu = load_config("configs/tiny.yaml", ["rl.worker_devices=4", "rl.worker_platform=tpu"])
+  assert WD.actor_resources(tpu) == {"num_cpus": 1, "resources": {"TPU": 4}}
+  fake = load_config("configs/tiny.yaml", ["rl.worker_devices=2"])
+  assert WD.actor_env(fake)["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+  with pytest.raises(ConfigError, match="rl.worker_devices=16, but this rollout worker sees 8 cpu"):
+    WD.sampler_mesh(load_config("configs/tiny.yaml", ["rl.worker_devices=16", "rl.worker_mesh={expert: 16}"]))
+
+
+def test_sharded_sampler_matches_the_one_device_sampler():
+  """The worker's path: the broadcast's host tensors (leaf order of (params, rest)) placed with
+  leaf_shardings on a tensor=2 x expert=2 mesh, each device holding only its slices (the routed
+  experts split 2 ways, the vocabulary 2 ways), then four episodes decoded on that mesh. Against the
+  same engine on one device with the same seed: the same tokens, the same routed experts for every
+  fed token, log-probs within 1e-5 (float32; the sharded reductions sum in another order)."""
+  cfg, model = _setup(LAYOUT)
+  graphdef, params, rest = split_model(model)
+  host = [np.asarray(a) for a in jax.tree.leaves((params, rest))]
+  treedef = jax.tree.structure((params, rest))
+  mesh = WD.sampler_mesh(cfg)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 2, "context": 1, "tensor": 2}
+  shardings = WD.leaf_shardings(cfg, nnx.split(model, nnx.Param, ...)[1:], mesh)
+  assert len(shardings) == len(host)
+  p2, r2 = jax.tree.unflatten(treedef, to_device(host, shardings))
+  w_up = p2["layers"][2]["mlp"]["w_up"].value  # [experts, d, ffn]
+  assert w_up.addressable_shards[0].data.shape[0] == cfg.model.n_routed_experts // 2
+  emb = p2["embed"].value
+  assert emb.addressable_shards[0].data.shape[0] == cfg.model.vocab_size // 2
+
+  def play(params, rest, mesh):
+    rs = np.random.RandomState(7)
+    eng = Engine(graphdef, params, rest, cfg, n_slots=4, max_len=128, seed=5, mesh=mesh)
+    return eng.run([Request(k, [int(t) for t in rs.randint(0, 96, n)], 10, ())
+                    for k, n in zip("abcd", (5, 11, 3, 19))])
+
+  one, sharded = play(params, rest, None), play(p2, r2, mesh)
+  for a, b in zip(one, sharded):
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.context_experts, b.context_experts)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
