@@ -443,6 +443,7 @@ def load_policy(run_dir: str, overrides: list[str] = ()):
   from composer_jax.config import load_config
   from composer_jax.data.tokenizer import load_tokenizer
   from composer_jax.model.build import abstract_model
+  from composer_jax.rl import worker_devices
   from composer_jax.train import checkpoint as ckpt_lib
   ck_dir, step = ckpt_lib.find_checkpoint(run_dir)
   run = os.path.dirname(ck_dir)
@@ -452,11 +453,15 @@ def load_policy(run_dir: str, overrides: list[str] = ()):
                       "checkpoints/): pass a pretrain/sft/rl --out folder, oracle or null")
   cfg = load_config(cfg_path, list(overrides))
   graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
-  # Onto this process's first device, whatever devices wrote it (a multi-host run's checkpoint
-  # names devices that do not exist here): the sampler engine runs on one host.
-  one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  params, rest = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
-                              (params, rest))
+  # Onto this process's devices, whatever devices wrote it (a multi-host run's checkpoint names
+  # devices that do not exist here): the first one, or with rl.worker_devices > 1 the sampler mesh
+  # over the first N, each device reading only its slices (rl/worker_devices.py).
+  mesh = worker_devices.sampler_mesh(cfg)
+  leaves, treedef = jax.tree.flatten((params, rest))
+  shardings = (worker_devices.leaf_shardings(cfg, (params, rest), mesh)
+               or [jax.sharding.SingleDeviceSharding(jax.local_devices()[0])] * len(leaves))
+  params, rest = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                                              for x, s in zip(leaves, shardings)])
   src = ckpt_lib.Checkpointer(ck_dir, keep=1000, async_save=False)
   targets = {"params": params, "rest": rest}
   got = src.restore_latest(targets, json_items=()) if step is None else (step, src.restore(step, targets, json_items=()))
@@ -469,10 +474,11 @@ def load_policy(run_dir: str, overrides: list[str] = ()):
 def eval_run_dir(run_dir: str, tasks: list, samples: int, out_dir: str, overrides: list[str] = (),
                  log=print) -> dict:
   from composer_jax.rl.sampler import Engine
+  from composer_jax.rl.worker_devices import sampler_mesh
   cfg, tok, graphdef, params, rest = load_policy(run_dir, overrides)
   mode = check_isolation(cfg)
   engine = Engine(graphdef, params, rest, cfg, n_slots=cfg.rl.decode_batch, max_len=cfg.rl.max_context,
-                  seed=cfg.rl.seed)
+                  seed=cfg.rl.seed, mesh=sampler_mesh(cfg))
   # pass@k at k = samples is always reported (the main job's table shows it), beside eval.k.
   return evaluate(RolloutRunner(engine, tok, cfg, mode=mode, log=log), tasks, samples, out_dir,
                   sorted(set(cfg.eval.k) | {samples}), log)

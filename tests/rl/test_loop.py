@@ -65,6 +65,15 @@ def test_rl_loop_metrics_checkpoint_resume_and_eval(world, capsys):
                "--limit", "2"]) == 0
   summary = json.loads((ev / "summary.json").read_text())
   assert summary["tasks"] == 2 and summary["policy"] == "model" and summary["mean_completion_tokens"] > 0
+  # The same evaluation with the sampler over 2 devices (the checkpoint restored slice by slice onto
+  # an expert=2 mesh) plays the same episodes.
+  ev2 = root / "eval2"
+  assert main(["eval", "--tasks", tasks, "--policy", str(out), "--out", str(ev2), "--samples", "1",
+               "--limit", "2", "--set", "rl.worker_devices=2", "--set", "rl.worker_mesh={expert: 2}"]) == 0
+  def episodes(d):
+    rows = [json.loads(x) for x in (d / "trajectories.jsonl").read_text().splitlines()]
+    return sorted((r["instance_id"], json.dumps(r["messages"])) for r in rows)
+  assert episodes(ev2) == episodes(ev)
 
 
 def _sampled_batch(cfg, graphdef, params, rest, tok, tasks):
