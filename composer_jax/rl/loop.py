@@ -25,10 +25,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from composer_jax.config import Config, ConfigError, dump_config
+from composer_jax.model.build import abstract_model
 from composer_jax.parallel.multihost import barrier, is_primary
 from composer_jax.rl import learner as L
+from composer_jax.rl import worker_devices
 from composer_jax.rl.agent import Job, RolloutRunner
 from composer_jax.rl.curriculum import make_stream
 from composer_jax.train.step import ROWS
@@ -139,11 +142,17 @@ class RLRun:
     self.group.gather_initial(self.start)  # every process: the sampler's first weights
     self.metrics = MetricsLog(out_dir, self.start)
     self.engine = self.runner = self.sft_chats = self.demos = self.rollout_file = None
+    self.sampler_mesh = self.sampler_shardings = None
     if not self.leader:
       return
+    # rl.worker_devices > 1: the leader's own sampler (the sync loop's rollouts, the end-of-run
+    # evaluation) on the same layout as a Ray worker's, over this process's first N devices.
+    self.sampler_mesh = worker_devices.sampler_mesh(cfg)
+    self.sampler_shardings = worker_devices.leaf_shardings(
+        cfg, nnx.split(abstract_model(cfg), nnx.Param, ...)[1:], self.sampler_mesh)
     self.engine = Engine(self.tr.graphdef, *self.sampler_weights(self.start), cfg,
                          n_slots=rl.decode_batch, max_len=rl.max_context, seed=rl.seed + self.start,
-                         version=self.start)
+                         version=self.start, mesh=self.sampler_mesh)
     self.runner = RolloutRunner(self.engine, self.tok, cfg, mode=self.mode, log=log)
     self.sft_chats = _load_sft_chats(rl.sft_mix_path, self.tok) if rl.sft_mix_coef > 0 else None
     if rl.expert_demo_rows > 0:
@@ -307,9 +316,13 @@ class RLRun:
     self.engine.set_weights(*self.sampler_weights(version), version)
 
   def sampler_weights(self, version: int):
-    """The policy for the leader's own engine: the trainer's arrays with one process; with several,
-    the gathered host copy on this process's first device (the engine runs on this host alone)."""
+    """The policy for the leader's own engine: placed on the sampler mesh (rl.worker_devices > 1);
+    else the trainer's arrays with one process, and with several the gathered host copy on this
+    process's first device (the engine runs on this host alone)."""
     w = self.group.weights(version)
+    if self.sampler_shardings is not None:
+      leaves, treedef = jax.tree.flatten(w)
+      return jax.tree.unflatten(treedef, jax.device_put(leaves, self.sampler_shardings))
     return jax.device_put(w, jax.local_devices()[0]) if self.group.multi else w
 
   def observe(self, task: int, resolved: list[bool]) -> None:
@@ -383,8 +396,6 @@ def _load_sft_chats(path: str, tok) -> list[dict]:
 
 def _make_logp_fn(graphdef, cfg: Config):
   """Jitted trainer log-probs of a learner batch (behaviour / reference log-probs), with replay."""
-  from flax import nnx
-
   from composer_jax.rl.losses import token_logprobs
   use_replay = cfg.rl.router_replay and cfg.model.n_moe_layers > 0
 
@@ -438,12 +449,8 @@ def evaluate(runner: RolloutRunner, tasks: list, samples: int, out_dir: str, ks=
 def load_policy(run_dir: str, overrides: list[str] = ()):
   """(cfg, tokenizer, graphdef, params, rest) of a run directory's newest checkpoint, restored into
   abstract targets (no random model is built first)."""
-  from flax import nnx
-
   from composer_jax.config import load_config
   from composer_jax.data.tokenizer import load_tokenizer
-  from composer_jax.model.build import abstract_model
-  from composer_jax.rl import worker_devices
   from composer_jax.train import checkpoint as ckpt_lib
   ck_dir, step = ckpt_lib.find_checkpoint(run_dir)
   run = os.path.dirname(ck_dir)
@@ -474,11 +481,10 @@ def load_policy(run_dir: str, overrides: list[str] = ()):
 def eval_run_dir(run_dir: str, tasks: list, samples: int, out_dir: str, overrides: list[str] = (),
                  log=print) -> dict:
   from composer_jax.rl.sampler import Engine
-  from composer_jax.rl.worker_devices import sampler_mesh
   cfg, tok, graphdef, params, rest = load_policy(run_dir, overrides)
   mode = check_isolation(cfg)
   engine = Engine(graphdef, params, rest, cfg, n_slots=cfg.rl.decode_batch, max_len=cfg.rl.max_context,
-                  seed=cfg.rl.seed, mesh=sampler_mesh(cfg))
+                  seed=cfg.rl.seed, mesh=worker_devices.sampler_mesh(cfg))
   # pass@k at k = samples is always reported (the main job's table shows it), beside eval.k.
   return evaluate(RolloutRunner(engine, tok, cfg, mode=mode, log=log), tasks, samples, out_dir,
                   sorted(set(cfg.eval.k) | {samples}), log)

@@ -7,8 +7,9 @@ them for the actor (``num_gpus=N``, or N ``TPU`` resources; on a GPU node Ray se
 sizes as in the ``mesh`` section; ``{}`` = every device on ``tensor``) and places every broadcast
 tensor shard by shard with the trainer's rule table, so a policy larger than one device still
 decodes. ``worker_platform=cpu`` with N > 1 gives the actor N fake host devices: the path the tests
-take, the same code as on accelerators. The evaluation engine (``rl.loop.load_policy`` /
-``eval_run_dir``) uses the same layout over its own process's first N devices.
+take, the same code as on accelerators. The learner process's own sampler (``RLRun.engine``: the
+sync loop's rollouts) and the evaluation engine (``rl.loop.load_policy`` / ``eval_run_dir``) use
+the same layout over their process's first N devices.
 
 The sizes are checked with the config (``check``), before Ray or a compile starts: the mesh must use
 exactly the worker's devices and divide the decode batch over its batch axes, and every parameter
