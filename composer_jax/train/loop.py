@@ -254,10 +254,12 @@ def init_state(tr: Trainer, params: Any = None, rest: Any = None) -> None:
 
 def check_batch(cfg: Config, tr: Trainer) -> None:
   """data.batch_size must split over the batch-sharded mesh axes, once per accumulation step."""
-  shards = int(np.prod([tr.mesh.shape[a] for a in tr.batch_sharding.spec[0] or ()]))
+  lead = tr.batch_sharding.spec[0] if len(tr.batch_sharding.spec) else None
+  names = (lead,) if isinstance(lead, str) else tuple(lead or ())  # one axis is a bare name
+  shards = int(np.prod([tr.mesh.shape[a] for a in names]))
   micro = cfg.data.batch_size // cfg.train.grad_accum
   if micro % shards:
-    axes = " x ".join(f"mesh.{a}={tr.mesh.shape[a]}" for a in tr.batch_sharding.spec[0])
+    axes = " x ".join(f"mesh.{a}={tr.mesh.shape[a]}" for a in names)
     raise ConfigError(f"data.batch_size={cfg.data.batch_size} (/ train.grad_accum="
                       f"{cfg.train.grad_accum}) does not split over the batch axes {axes}: make "
                       f"each accumulation step's batch a multiple of {shards}")

@@ -117,15 +117,19 @@ def test_one_process_refuses_a_two_process_checkpoint_in_one_line(runs, tmp_path
   assert "Traceback" not in p.stderr
 
 
-def test_a_batch_that_does_not_split_over_the_batch_axes_is_refused_in_one_line():
+@pytest.mark.parametrize("mesh,axes", [
+    (["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"], r"mesh.data=2 x mesh.fsdp=2 x mesh.expert=2"),
+    (["mesh.data=-1"], r"mesh.data=8"),  # one batch axis: the spec names it bare, not as a tuple
+])
+def test_a_batch_that_does_not_split_over_the_batch_axes_is_refused_in_one_line(mesh, axes):
   from composer_jax.config import ConfigError, load_config
   from composer_jax.train.loop import build_trainer, check_batch
-  cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"),
-                    [*SMALL, "mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "data.batch_size=4"])
+  cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), [*SMALL, *mesh, "data.batch_size=4"])
   tr = build_trainer(cfg, materialize=False)  # abstract: nothing compiled
-  with pytest.raises(ConfigError, match=r"data.batch_size=4 .* mesh.data=2 x mesh.fsdp=2 x "
-                                        r"mesh.expert=2: .* multiple of 8"):
+  with pytest.raises(ConfigError, match=rf"data.batch_size=4 .* {axes}: .* multiple of 8"):
     check_batch(cfg, tr)
+  ok = load_config(os.path.join(ROOT, "configs/tiny.yaml"), [*SMALL, *mesh, "data.batch_size=8"])
+  check_batch(ok, build_trainer(ok, materialize=False))
 
 
 def test_bad_process_environment_is_refused_in_one_line(monkeypatch):
