@@ -31,6 +31,12 @@ import numpy as np
 
 from composer_jax.config import Config, ConfigError, apply_overrides, from_dict
 from composer_jax.eval.bench import pass_at_k
+from composer_jax.parallel.multihost import (
+  barrier,
+  broadcast_json,
+  is_primary,
+  on_primary,
+)
 
 STAGES = ("pretrain", "tasks", "expert", "sft", "anneal", "eval_sft", "rl", "eval_rl")
 
@@ -79,7 +85,10 @@ class Recipe:
     self.times: dict[str, float] = {}
     if os.path.isdir(self.out) and os.listdir(self.out) and not resume:
       raise ConfigError(f"--out {out} is not empty: pass --resume to continue it, or choose a new --out")
-    os.makedirs(self.out, exist_ok=True)
+    barrier("recipe_out_checked")  # several processes: each looked before any of them wrote
+    if is_primary():
+      os.makedirs(self.out, exist_ok=True)
+    barrier("recipe_out_made")
 
   def path(self, *parts) -> str:
     return os.path.join(self.out, *parts)
@@ -93,10 +102,13 @@ class Recipe:
     with open(self.path(".stages", f"{stage}.json"), "w") as f:
       json.dump(info, f, indent=1)
 
-  def stage(self, name: str, fn, policy: str | None = None) -> dict:
+  def stage(self, name: str, fn, policy: str | None = None, primary_only: bool = False) -> dict:
     """Run stage ``name`` unless it is done. ``policy``: the stage folder it reads weights from,
-    recorded, and checked on --resume (a stage done from another SFT policy is not reused)."""
-    done = self._done(name)
+    recorded, and checked on --resume (a stage done from another SFT policy is not reused).
+    Several processes (``mesh.distributed``): the training stages run on all of them, a
+    ``primary_only`` stage (files the others read: tasks, expert chats, evaluations) on process 0
+    while the others wait; process 0's record of the stage is everyone's."""
+    done = broadcast_json(self._done(name))  # process 0's view: every process skips or runs alike
     if done is not None and policy is not None and done.get("policy", "sft") != policy:
       raise ConfigError(f"--resume: stage {name} was done from the {done.get('policy', 'sft')} policy, but "
                         f"this config's SFT policy is {policy} (run.anneal_steps): use a new --out")
@@ -106,12 +118,15 @@ class Recipe:
       return done
     self.log(f"== {name}")
     t0 = time.perf_counter()
-    info = fn() or {}
+    info = on_primary(f"stage_{name}", fn) if primary_only else fn()
+    info = dict(broadcast_json(info or {}))
     if policy is not None:
       info["policy"] = policy
-    info["wall_s"] = round(time.perf_counter() - t0, 1)
+    info["wall_s"] = round(broadcast_json(time.perf_counter() - t0), 1)
     self.times[name] = info["wall_s"]
-    self._mark(name, info)
+    if is_primary():
+      self._mark(name, info)
+    barrier(f"recipe_{name}_marked")
     return info
 
   # -- stages ---------------------------------------------------------------------------------------
@@ -153,8 +168,8 @@ class Recipe:
     if not self.cfg.run.rl_tasks:
       return self.path("tasks", "train")
     d = self.path("tasks", "rl")
-    if not os.path.exists(os.path.join(d, "synthetic_report.json")):  # a run dir from before rl_tasks
-      self._make_rl_tasks()
+    if not broadcast_json(os.path.exists(os.path.join(d, "synthetic_report.json"))):
+      on_primary("rl_tasks", self._make_rl_tasks)  # a run dir from before rl_tasks
     return d
 
   def _expert(self) -> dict:
@@ -210,19 +225,23 @@ class Recipe:
   def run(self) -> dict:
     r = self.cfg.run
     from composer_jax.config import dump_config
-    dump_config(self.cfg, self.path("config.yaml"))
+    if is_primary():
+      dump_config(self.cfg, self.path("config.yaml"))
     self.stage("pretrain", lambda: self._train("pretrain", r.pretrain_overrides, r.base or None))
-    self.stage("tasks", self._tasks)
-    self.stage("expert", self._expert)
+    self.stage("tasks", self._tasks, primary_only=True)
+    self.stage("expert", self._expert, primary_only=True)
     sft = [f"data.sft_path={self.path('sft', 'trajectories.jsonl')}", *r.sft_overrides]
     self.stage("sft", lambda: self._train("sft", sft, self.path("pretrain")))
     if r.anneal_steps > 0:
       self.stage("anneal", lambda: self._train("anneal", anneal_overrides(self.cfg, sft), self.path("sft"),
                                                kind="sft"))
     policy = sft_policy(self.cfg)
-    ev_sft = self.stage("eval_sft", lambda: self._eval(policy, "sft"), policy=policy)
+    ev_sft = self.stage("eval_sft", lambda: self._eval(policy, "sft"), policy=policy, primary_only=True)
     self.stage("rl", self._rl, policy=policy)
-    ev_rl = self.stage("eval_rl", lambda: self._eval("rl", "rl"))
+    ev_rl = self.stage("eval_rl", lambda: self._eval("rl", "rl"), primary_only=True)
+    mix_coef = self.rl_config().rl.sft_mix_coef  # every process: it may take a collective
+    if not is_primary():  # the summary, its plots and the table are process 0's files
+      return {}
     summary = {"sft": ev_sft["heldout"], "rl": ev_rl["heldout"],
                "unseen_templates": {"sft": ev_sft["unseen"], "rl": ev_rl["unseen"]},
                "wall_s": dict(self.times), "total_wall_s": round(sum(self.times.values()), 1)}
@@ -232,7 +251,7 @@ class Recipe:
       with open(self.path("eval", f"{tag}-heldout", "summary.json")) as f:
         per_task[tag] = json.load(f)["per_task"]
     summary["rl_minus_sft_paired"] = paired_difference(per_task["sft"], per_task["rl"])
-    summary["rl_sft_mix_coef"] = self.rl_config().rl.sft_mix_coef
+    summary["rl_sft_mix_coef"] = mix_coef
     summary["sft_policy"] = policy
     summary["anneal_steps"] = r.anneal_steps
     with open(self.path("summary.json"), "w") as f:
@@ -344,6 +363,7 @@ def resolve_beside(path: str, config_path: str | None) -> str:
 
 def _main(args) -> int:
   from composer_jax.config import load_config
+  from composer_jax.parallel.mesh import maybe_initialize_distributed
   cfg = load_config(args.config, args.overrides)
   for name in ("sft_overrides", "pretrain_overrides", "eval_overrides"):
     stage_config(cfg, getattr(cfg.run, name))  # a bad stage override fails now, in one line
@@ -359,5 +379,6 @@ def _main(args) -> int:
     require_isolation(cfg.env.sandbox, "the main job (model-driven evaluation and RL)")
   except SandboxError as e:
     raise ConfigError(str(e)) from None
+  maybe_initialize_distributed(cfg.mesh)  # mesh.distributed: one job for every stage
   Recipe(cfg, args.out, args.resume).run()
   return 0

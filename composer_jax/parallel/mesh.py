@@ -52,18 +52,22 @@ def maybe_initialize_distributed(cfg: MeshConfig) -> None:
   jax.distributed.initialize(**kw)
 
 
-def resolve_axis_sizes(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
-  sizes = {a: getattr(cfg, a) for a in MESH_AXES}
-  fixed = 1
-  for s in sizes.values():
-    if s != -1:
-      fixed *= s
+def fill_axis(sizes: dict[str, int], n_devices: int, field: str = "mesh",
+              devices: str = "visible devices") -> dict[str, int]:
+  """``sizes`` with its one -1 axis (if any) filled from ``n_devices``; the errors name ``field``."""
+  sizes = dict(sizes)
+  fixed = int(np.prod([s for s in sizes.values() if s != -1]))
   fill = [a for a, s in sizes.items() if s == -1]
   if fill:
     if n_devices % fixed:
-      raise ConfigError(f"mesh: the fixed axes use {fixed} devices, which does not divide the "
-                        f"{n_devices} visible devices; change mesh.{fill[0]} or the other axes")
+      raise ConfigError(f"{field}: the fixed axes use {fixed} devices, which does not divide the "
+                        f"{n_devices} {devices}; change {field}.{fill[0]} or the other axes")
     sizes[fill[0]] = n_devices // fixed
+  return sizes
+
+
+def resolve_axis_sizes(cfg: MeshConfig, n_devices: int) -> dict[str, int]:
+  sizes = fill_axis({a: getattr(cfg, a) for a in MESH_AXES}, n_devices)
   total = int(np.prod(list(sizes.values())))
   if total > n_devices:
     raise ConfigError(f"mesh: {sizes} needs {total} devices but only {n_devices} are visible; "

@@ -7,7 +7,9 @@ things are not:
   * state that differs per process -- each process packs its own slice of the documents, so its
     data iterator sits at its own place -- is gathered into the checkpoint as one entry per
     process, and each process takes its own entry back on resume;
-  * process 0 decides alone what the others must follow (a step's batch in RL): ``broadcast``.
+  * process 0 decides alone what the others must follow (a step's batch in RL): ``broadcast``,
+    or does alone what the others then read from files (the main job's tasks and evaluations):
+    ``on_primary``.
 With one process every function here is the identity or a no-op.
 """
 
@@ -31,6 +33,22 @@ def barrier(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices(name)
+
+
+def on_primary(key: str, fn, timeout_s: float = 7 * 24 * 3600) -> Any:
+  """Process 0 runs ``fn`` (work whose files the others then read: generated tasks, an evaluation);
+  every process returns its JSON-able result. The others wait on the coordination service's
+  key-value store, not in a device collective, so a wait of hours meets no collective timeout; if
+  process 0 dies, the service goes with it and the wait fails. ``key`` must be new in the job."""
+  if jax.process_count() == 1:
+    return fn()
+  from jax._src import distributed
+  client, key = distributed.global_state.client, f"composer_jax/on_primary/{key}"
+  if is_primary():
+    out = fn()
+    client.key_value_set(key, json.dumps(out))
+    return out
+  return json.loads(client.blocking_key_value_get(key, int(timeout_s * 1000)))
 
 
 def _gather_bytes(raw: bytes) -> list[bytes]:

@@ -469,7 +469,7 @@ def load_policy(run_dir: str, overrides: list[str] = ()):
                or [jax.sharding.SingleDeviceSharding(jax.local_devices()[0])] * len(leaves))
   params, rest = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                                               for x, s in zip(leaves, shardings)])
-  src = ckpt_lib.Checkpointer(ck_dir, keep=1000, async_save=False)
+  src = ckpt_lib.Checkpointer(ck_dir, keep=1000, async_save=False, local=True)
   targets = {"params": params, "rest": rest}
   got = src.restore_latest(targets, json_items=()) if step is None else (step, src.restore(step, targets, json_items=()))
   src.close()

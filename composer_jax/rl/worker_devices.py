@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from composer_jax.config import Config, ConfigError, MeshConfig
+from composer_jax.parallel.mesh import fill_axis
 
 _AXES = ("data", "fsdp", "expert", "context", "tensor")
 _JAX_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
@@ -44,12 +45,7 @@ def mesh_sizes(cfg: Config) -> dict[str, int]:
   fill = [a for a, s in sizes.items() if s == -1]
   if len(fill) > 1:
     raise ConfigError(f"rl.worker_mesh: at most one axis may be -1, got {fill}")
-  fixed = int(np.prod([s for s in sizes.values() if s != -1]))
-  if fill:
-    if n % fixed:
-      raise ConfigError(f"rl.worker_mesh: the fixed axes use {fixed} devices, which does not divide "
-                        f"rl.worker_devices={n}")
-    sizes[fill[0]] = n // fixed
+  sizes = fill_axis(sizes, n, field="rl.worker_mesh", devices="devices of rl.worker_devices")
   total = int(np.prod(list(sizes.values())))
   if n >= 1 and total != n:
     raise ConfigError(f"rl.worker_mesh={given} spans {total} devices but rl.worker_devices={n}: make "

@@ -96,12 +96,21 @@ def _abstract(tree: Any) -> Any:
 class Checkpointer:
   """A CheckpointManager over ``directory`` saving every ``every`` steps and keeping ``keep``."""
 
-  def __init__(self, directory: str, *, keep: int = 3, every: int = 0, async_save: bool = True):
+  def __init__(self, directory: str, *, keep: int = 3, every: int = 0, async_save: bool = True,
+               local: bool = False):
+    """``local``: a reader this process alone uses (a policy evaluated on process 0 of a
+    multi-process job): no barrier with the other processes, which are not there to meet it, and
+    no clean-up of a writer's temporary folders."""
     self.directory = os.path.abspath(directory)
     self.every = every
+    extra = {}
+    if local and jax.process_count() > 1:
+      me = jax.process_index()
+      extra["multiprocessing_options"] = ocp.options.MultiprocessingOptions(
+          primary_host=me, active_processes={me})
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=async_save,
-        cleanup_tmp_directories=True)
+        max_to_keep=keep, create=not local, enable_async_checkpointing=async_save and not local,
+        cleanup_tmp_directories=not local, **extra)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
   def steps(self) -> list[int]:
