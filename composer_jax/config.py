@@ -220,10 +220,8 @@ class RLConfig:
   # rest for the learner, each pinned there (rl/cpus.py); 0 = every process on every core. On 2
   # cores the RL stage took -9 % and +11 % in two pairs of runs (docs/rl.md): not a gain there.
   worker_cpus: int = 0
-  # Devices of each rollout worker and its sampler's mesh over them (rl/worker_devices.py): 0 = one
-  # CPU device; N = N devices of worker_platform (cpu | gpu | tpu; Ray reserves them per actor), the
-  # broadcast weights placed shard by shard by the rule table. worker_mesh: axis sizes as in the
-  # mesh section ({} = all N on tensor), e.g. {expert: 8} or {tensor: 2, expert: 4}.
+  # Each sampler's devices (rl/worker_devices.py): 0 = one CPU device; N = N of worker_platform, Ray
+  # reserving them per worker; worker_mesh: axis sizes over them ({} = all on tensor), e.g. {expert: 8}.
   worker_devices: int = 0
   worker_platform: Literal["cpu", "gpu", "tpu"] = "cpu"
   worker_mesh: dict = field(default_factory=dict)

@@ -1,7 +1,8 @@
 """Rollout workers on Ray, the learner's ledger of handed-out work, and the weight broadcast.
 
 Each ``RolloutWorker`` is a Ray actor (1 CPU and, with ``rl.worker_devices``, its own accelerators:
-``rl/worker_devices.py``) holding its own sampler engine, on a mesh over its devices, and environment pool (``RolloutRunner``, sandboxed: ``require_isolation`` as in the sync loop). It has
+``rl/worker_devices.py``) holding its own sampler engine, on a mesh over its devices, and
+environment pool (``RolloutRunner``, sandboxed: ``require_isolation`` as in the sync loop). It has
 two concurrency groups: ``rollouts`` runs one unit of work at a time (a few task groups played with
 continuous batching), ``weights`` takes broadcast messages while a unit runs. A message is the
 ``weights.Publisher`` chain of object-store refs (one put, many gets); the engine applies the newest
