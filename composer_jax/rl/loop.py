@@ -147,9 +147,8 @@ class RLRun:
       return
     # rl.worker_devices > 1: the leader's own sampler (the sync loop's rollouts, the end-of-run
     # evaluation) on the same layout as a Ray worker's, over this process's first N devices.
-    self.sampler_mesh = worker_devices.sampler_mesh(cfg)
-    self.sampler_shardings = worker_devices.leaf_shardings(
-        cfg, nnx.split(abstract_model(cfg), nnx.Param, ...)[1:], self.sampler_mesh)
+    self.sampler_mesh, self.sampler_shardings = worker_devices.layout(
+        cfg, nnx.split(abstract_model(cfg), nnx.Param, ...)[1:])
     self.engine = Engine(self.tr.graphdef, *self.sampler_weights(self.start), cfg,
                          n_slots=rl.decode_batch, max_len=rl.max_context, seed=rl.seed + self.start,
                          version=self.start, mesh=self.sampler_mesh)
@@ -463,10 +462,9 @@ def load_policy(run_dir: str, overrides: list[str] = ()):
   # Onto this process's devices, whatever devices wrote it (a multi-host run's checkpoint names
   # devices that do not exist here): the first one, or with rl.worker_devices > 1 the sampler mesh
   # over the first N, each device reading only its slices (rl/worker_devices.py).
-  mesh = worker_devices.sampler_mesh(cfg)
+  _, shardings = worker_devices.layout(cfg, (params, rest))
   leaves, treedef = jax.tree.flatten((params, rest))
-  shardings = (worker_devices.leaf_shardings(cfg, (params, rest), mesh)
-               or [jax.sharding.SingleDeviceSharding(jax.local_devices()[0])] * len(leaves))
+  shardings = shardings or [jax.sharding.SingleDeviceSharding(jax.local_devices()[0])] * len(leaves)
   params, rest = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                                               for x, s in zip(leaves, shardings)])
   src = ckpt_lib.Checkpointer(ck_dir, keep=1000, async_save=False, local=True)

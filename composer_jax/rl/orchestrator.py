@@ -123,8 +123,7 @@ class RolloutWorker:
     self.treedef = jax.tree_util.tree_structure((params, rest))
     # rl.worker_devices > 1: the sampler's mesh over this actor's devices, and each broadcast tensor's
     # sharding on it (every device receives only its slices).
-    self.mesh = worker_devices.sampler_mesh(cfg)
-    self.shardings = worker_devices.leaf_shardings(cfg, (params, rest), self.mesh)
+    self.mesh, self.shardings = worker_devices.layout(cfg, (params, rest))
     # No host copy of a full update: _swap hands the store's read-only buffers to weights.to_device,
     # which on CPU aliases them (the workers share one copy; the engine donates only its caches).
     self.rx = Receiver(get=ray.get, copy=False)

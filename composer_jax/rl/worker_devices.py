@@ -138,3 +138,10 @@ def leaf_shardings(cfg: Config, abstract_tree, mesh) -> list | None:
     return None
   shardings = state_shardings(abstract_tree, mesh, make_rules(cfg.mesh.rules))
   return jax.tree.leaves(shardings)
+
+
+def layout(cfg: Config, abstract_tree) -> tuple:
+  """(mesh, one sharding per leaf of ``abstract_tree``) of a sampler, or (None, None) on one device:
+  what a Ray worker, the learner's own engine and the evaluation engine each place their weights by."""
+  mesh = sampler_mesh(cfg)
+  return mesh, leaf_shardings(cfg, abstract_tree, mesh)
