@@ -216,15 +216,17 @@ class RLConfig:
   # Local Ray only: object store size in MiB, its pages faulted in at start (0 = Ray's default size,
   # pages faulted in by the puts themselves: a 64 MiB weight put then costs ~4-8 memcpys, not ~1.7).
   object_store_mb: int = 0
-  # Local Ray only: the last N cores of the machine for the rollout workers and their sandboxes, the
-  # rest for the learner, each pinned there (rl/cpus.py); 0 = every process on every core. On 2
-  # cores the RL stage took -9 % and +11 % in two pairs of runs (docs/rl.md): not a gain there.
+  # Local Ray only: the last N cores for the rollout workers and their sandboxes, the rest for the
+  # learner, each pinned there (rl/cpus.py); 0 = no pinning (on 2 cores no gain: docs/rl.md).
   worker_cpus: int = 0
   # Each sampler's devices (rl/worker_devices.py): 0 = one CPU device; N = N of worker_platform, Ray
   # reserving them per worker; worker_mesh: axis sizes over them ({} = all on tensor), e.g. {expert: 8}.
   worker_devices: int = 0
   worker_platform: Literal["cpu", "gpu", "tpu"] = "cpu"
   worker_mesh: dict = field(default_factory=dict)
+  # The learner job's own sampler (sync rollouts, evaluations): leader = process 0's devices, as a
+  # worker's; mesh = the trainer's mesh over every process, for a policy larger than one host.
+  learner_sampler: Literal["leader", "mesh"] = "leader"
   weight_delta: bool = True  # broadcast XOR deltas between full copies (rl/weights.py)
   full_sync_every: int = 10  # a full weight copy every N versions
   # Sampling.

@@ -193,7 +193,11 @@ class Recipe:
     for split in ("heldout", "unseen"):
       tasks = load_tasks(self.path("tasks", split))
       s = eval_run_dir(self.path(policy_run), tasks, r.eval_samples,
-                       self.path("eval", f"{tag}-{split}"), list(r.eval_overrides), log=self.log)
+                       self.path("eval", f"{tag}-{split}"),
+                       [f"rl.learner_sampler={self.cfg.rl.learner_sampler}", *r.eval_overrides],
+                       log=self.log)
+      if not is_primary():  # rl.learner_sampler=mesh: this process replayed process 0's engine
+        continue
       per_task = [v["c"] / v["n"] for v in s["per_task"].values()]
       lo, hi = bootstrap_ci(per_task)
       out[split] = {"pass@1": s["pass@1"], "ci95": [lo, hi], "tasks": s["tasks"],
@@ -236,9 +240,11 @@ class Recipe:
       self.stage("anneal", lambda: self._train("anneal", anneal_overrides(self.cfg, sft), self.path("sft"),
                                                kind="sft"))
     policy = sft_policy(self.cfg)
-    ev_sft = self.stage("eval_sft", lambda: self._eval(policy, "sft"), policy=policy, primary_only=True)
+    # The evaluations run on process 0, unless their sampler spans every process (rl.learner_sampler).
+    alone = self.cfg.rl.learner_sampler != "mesh"
+    ev_sft = self.stage("eval_sft", lambda: self._eval(policy, "sft"), policy=policy, primary_only=alone)
     self.stage("rl", self._rl, policy=policy)
-    ev_rl = self.stage("eval_rl", lambda: self._eval("rl", "rl"), primary_only=True)
+    ev_rl = self.stage("eval_rl", lambda: self._eval("rl", "rl"), primary_only=alone)
     mix_coef = self.rl_config().rl.sft_mix_coef  # every process: it may take a collective
     if not is_primary():  # the summary, its plots and the table are process 0's files
       return {}

@@ -43,8 +43,11 @@ def _eval(args) -> int:
     from composer_jax.rl.loop import eval_run_dir
     if not os.path.isdir(args.policy):
       raise ConfigError(f"--policy {args.policy!r}: give oracle, null or a run directory")
+    from composer_jax.parallel.mesh import maybe_initialize_distributed
+    maybe_initialize_distributed(cfg.mesh)  # rl.learner_sampler=mesh on several processes
     summary = eval_run_dir(args.policy, tasks, samples, args.out, args.overrides)
-    print(json.dumps({k: v for k, v in summary.items() if k != "per_task"}, indent=1))
+    if summary:  # {} on the processes that only replayed process 0's engine
+      print(json.dumps({k: v for k, v in summary.items() if k != "per_task"}, indent=1))
     return 0
   try:
     factory = make_policy_factory(args.policy)

@@ -7,9 +7,9 @@ things are not:
   * state that differs per process -- each process packs its own slice of the documents, so its
     data iterator sits at its own place -- is gathered into the checkpoint as one entry per
     process, and each process takes its own entry back on resume;
-  * process 0 decides alone what the others must follow (a step's batch in RL): ``broadcast``,
-    or does alone what the others then read from files (the main job's tasks and evaluations):
-    ``on_primary``.
+  * process 0 decides alone what the others must follow (a step's batch in RL, a decode call):
+    ``broadcast``, ``tell`` / ``follow``; or does alone what the others then read from files (the
+    main job's tasks and evaluations): ``on_primary``.
 With one process every function here is the identity or a no-op.
 """
 
@@ -93,6 +93,30 @@ def broadcast_arrays(arrays: dict | None) -> dict:
             else [np.zeros(s, np.dtype(d)) for s, d in spec.values()])
   out = multihost_utils.broadcast_one_to_all(leaves)
   return {k: np.asarray(v) for k, v in zip(spec, out)}
+
+
+def tell(op: str, arrays: dict | None = None, **kw) -> dict | None:
+  """Process 0 (the leader): name ``op`` to the processes in ``follow``, then broadcast its arrays;
+  returns the arrays as every process now holds them. With one process: ``arrays``, nothing sent."""
+  if jax.process_count() == 1:
+    return arrays
+  broadcast_json({"op": op, "arrays": arrays is not None, **kw})
+  return broadcast_arrays(arrays) if arrays is not None else None
+
+
+def follow(handlers: dict) -> None:
+  """Every other process: run ``handlers[op](cmd, arrays)`` for each op the leader ``tell``s, in
+  order, until it tells ``stop``. The leader's host-side work (episodes, files) is not repeated:
+  only the calls that run over the global mesh are, with the leader's inputs."""
+  while True:
+    cmd = broadcast_json(None)
+    if cmd["op"] == "stop":
+      return
+    arrays = broadcast_arrays(None) if cmd.get("arrays") else None
+    handler = handlers.get(cmd["op"])
+    if handler is None:
+      raise RuntimeError(f"follower: unknown op {cmd['op']!r} from the leader")
+    handler(cmd, arrays)
 
 
 def gather_state(state: Any) -> Any:

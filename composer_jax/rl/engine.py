@@ -30,6 +30,11 @@ without drafts) and, when it is kept, samples a bonus token from the draft's pos
 emits one or two tokens per row. A rejected draft's cache slot lies past the row's length and is
 overwritten by the next feed; a kept draft on which the turn ends is rolled back the same way, so it
 is fed again at the next turn like any final token. ``stats`` count drafts and kept drafts.
+
+On a mesh the cache rows are split over the batch axes (``act_batch``), and an engine may span
+several processes (``rl.learner_sampler=mesh``: a policy larger than one host). The bookkeeping
+above then runs in the leader's engine alone; each model call's host inputs go through ``tell``
+to the other processes' engines, which ``replay`` the same call on their shards.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from composer_jax.model.cache import (
   init_cache,
   init_layer_cache,
 )
+from composer_jax.parallel.multihost import to_host
 from composer_jax.rl.sampling import sample, speculative_verify
 
 MIN_VIEW = 64  # smallest attention bucket (fewer traces for short contexts)
@@ -224,7 +230,7 @@ class Engine:
 
   def __init__(self, graphdef, params, rest, cfg: Config, *, n_slots: int, max_len: int,
                seed: int = 0, version: int = 0, mesh=None, prefill_chunk: int = 512,
-               prefill_rows: int | None = None):
+               prefill_rows: int | None = None, tell=None):
     m = cfg.model
     if n_slots < 1:
       raise ConfigError(f"rl.decode_batch={n_slots}: the engine needs at least one slot")
@@ -246,6 +252,7 @@ class Engine:
     self.prefill_rows = min(rows, n_slots)  # 0: prefills ride in the mixed call
     self.graphdef, self.params, self.rest, self.version = graphdef, params, rest, version
     self.mesh = mesh
+    self._tell = tell  # (op, arrays, **kw) -> arrays: the model call's inputs, to the followers
     self.n_moe, self.k = m.n_moe_layers, m.n_experts_per_tok
     self.edtype = expert_dtype(m.n_routed_experts)
     self._key = jax.random.PRNGKey(seed)
@@ -254,12 +261,10 @@ class Engine:
     self._pending: collections.deque = collections.deque()
     self._submitted = 0
     self._done: list[Generation] = []
-    with self._context():
-      self._bufs = _bufs(init_cache(m, n_slots, max_len))
-      if self.speculative:
-        mc = init_layer_cache(m, n_slots, max_len)
-        self._mtp_buf = (mc.c, mc.k_pe)
-        self._draft_logits = jnp.zeros((n_slots, m.vocab_size), jnp.float32)
+    self._bufs = self._zeros(lambda: _bufs(init_cache(m, n_slots, max_len)))
+    if self.speculative:
+      self._mtp_buf = self._zeros(lambda: _bufs(Cache((init_layer_cache(m, n_slots, max_len),)))[0])
+      self._draft_logits = self._zeros(lambda: jnp.zeros((n_slots, m.vocab_size), jnp.float32))
     rl = cfg.rl
     rule = (float(rl.temperature), int(rl.top_k), float(rl.top_p), self.n_moe, self.k,
             np.dtype(self.edtype).name, self.speculative)
@@ -267,6 +272,22 @@ class Engine:
     self._fn_rows = _step_fn(graphdef, mesh, *rule, rows=True) if self.prefill_rows else None
     self.stats = collections.Counter(tokens_decoded=0, prefill_tokens=0, steps=0, seconds=0.0,
                                      generations=0, drafts=0, drafts_kept=0)
+
+  def _zeros(self, make):
+    """Per-slot buffers, made on the mesh with their slot rows split over the batch axes (never
+    whole on one device: a pod-scale cache is larger than a host)."""
+    if self.mesh is None or self.mesh.size == 1:
+      return make()
+    from jax.sharding import NamedSharding
+
+    from composer_jax.parallel.rules import make_rules, spec_for
+    rules = make_rules(self.cfg.mesh.rules)
+
+    def sharding(a):
+      axes = [None] * a.ndim
+      axes[_row_axis(a)] = "act_batch"
+      return NamedSharding(self.mesh, spec_for(axes, a.shape, self.mesh, rules, strict=False))
+    return jax.jit(make, out_shardings=jax.tree.map(sharding, jax.eval_shape(make)))()
 
   def _context(self):
     if self.mesh is None or self.mesh.size == 1:
@@ -422,17 +443,38 @@ class Engine:
       tokens[r, : len(f)] = f
     view = bucket(int((index + counts).max()), self.max_len, MIN_VIEW)
     self._key, sub = jax.random.split(self._key)
-    fn, at = (self._fn, ()) if rows is None else (self._fn_rows, (jnp.asarray(sel, jnp.int32),))
+    args = {"index": index, "tokens": tokens, "counts": counts, "key": np.asarray(sub)}
+    if rows is not None:
+      args["rows"] = np.asarray(sel, np.int32)
     if self.speculative:
-      return self._call_spec(slots, feeds, fn, at, tokens, index, counts, view, sub)
-    with self._context():
-      self._bufs, ids, logp, routed = fn(self.params, self.rest, self._bufs, *at, jnp.asarray(index),
-                                         jnp.asarray(tokens), jnp.asarray(counts), sub, view=view)
-    ids, logp, routed = np.asarray(ids), np.asarray(logp), np.asarray(routed)
+      return self._call_spec(slots, feeds, args, view)
+    ids, logp, routed = self._device(args, view)
     self.stats["steps"] += 1
     for r, (slot, f) in enumerate(zip(slots, feeds)):
       if f and self._feed(slot, f, routed[:, r]):
         self._append(slot, int(ids[r]), float(logp[r]))
+
+  def _device(self, args: dict, view: int) -> tuple:
+    """One model call on host inputs; its outputs as host arrays. With followers (``tell``) the
+    inputs are broadcast first, so that every process makes the call."""
+    if self._tell is not None:
+      args = self._tell("engine", args, view=view)
+    return self.replay(args, view)
+
+  def replay(self, args: dict, view: int) -> tuple:
+    """The model call of ``_device``: what a follower's engine runs for each of the leader's, which
+    keeps its cache shards where the leader's are."""
+    a = [args[k] for k in ("index", "tokens", "counts")]
+    at = (args["rows"],) if "rows" in args else ()
+    fn = self._fn_rows if at else self._fn
+    with self._context():
+      if self.speculative:
+        (self._bufs, self._mtp_buf, self._draft_logits, *out) = fn(
+            self.params, self.rest, self._bufs, self._mtp_buf, self._draft_logits, *at, *a,
+            args["drafted"], args["next_tok"], args["samples"], args["key"], view=view)
+      else:
+        self._bufs, *out = fn(self.params, self.rest, self._bufs, *at, *a, args["key"], view=view)
+    return to_host(tuple(out))
 
   def _feed(self, slot: _Slot, f: list[int], routed) -> bool:
     """Record the tokens ``f`` kept in the slot's cache (``routed`` [n_moe, >= len(f), k]); whether
@@ -447,18 +489,14 @@ class Engine:
       return not slot.todo  # more chunks to come: this row's sample is meaningless
     return True
 
-  def _call_spec(self, slots, feeds, fn, at, tokens, index, counts, view, key) -> None:
+  def _call_spec(self, slots, feeds, args, view) -> None:
     drafted = np.array([bool(sl.req is not None and not sl.todo and len(f) == 2)
                         for sl, f in zip(slots, feeds)])
     samples = np.array([bool(f) and len(sl.todo) <= len(f) for sl, f in zip(slots, feeds)])
     next_tok = np.array([sl.todo[len(f)] if len(sl.todo) > len(f) else 0
                          for sl, f in zip(slots, feeds)], np.int32)
-    with self._context():
-      (self._bufs, self._mtp_buf, self._draft_logits, ids, logp, n_out, draft, routed) = fn(
-          self.params, self.rest, self._bufs, self._mtp_buf, self._draft_logits, *at, jnp.asarray(index),
-          jnp.asarray(tokens), jnp.asarray(counts), jnp.asarray(drafted), jnp.asarray(next_tok),
-          jnp.asarray(samples), key, view=view)
-    ids, logp, n_out, draft, routed = (np.asarray(a) for a in (ids, logp, n_out, draft, routed))
+    ids, logp, n_out, draft, routed = self._device(
+        {**args, "drafted": drafted, "next_tok": next_tok, "samples": samples}, view)
     self.stats["steps"] += 1
     for r, (slot, f) in enumerate(zip(slots, feeds)):
       if not f:

@@ -18,7 +18,9 @@ the batch's arrays, broadcast from process 0), then every process runs it. Follo
 is the plain single-process call, so the single-host path is unchanged.
 
 Gathering the whole policy onto every host (``weights``) matches rollout workers that each hold a
-full copy; a model too large for one host needs sharded samplers instead (not built here).
+full copy. A policy too large for one host samples on the trainer's own mesh instead
+(``rl.learner_sampler=mesh``): every process holds its shards of the engine, and each decode call
+is one more op here (``engine``), the leader's inputs replayed by the followers (``Engine.replay``).
 """
 
 from __future__ import annotations
@@ -28,12 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from composer_jax.parallel.multihost import (
-  broadcast_arrays,
-  broadcast_json,
-  put_global,
-  to_host,
-)
+from composer_jax.parallel.multihost import follow, put_global, tell, to_host
 
 FORWARD_KEYS = ("tokens", "segment_ids", "positions", "experts")  # what a forward of a batch reads
 
@@ -49,10 +46,7 @@ class LearnerGroup:
 
   def _tell(self, op: str, arrays: dict | None = None, **kw) -> dict | None:
     """Leader: name the op to the followers, then broadcast its arrays. Returns the arrays."""
-    if not self.multi:
-      return arrays
-    broadcast_json({"op": op, **kw})
-    return broadcast_arrays(arrays) if arrays is not None else None
+    return tell(op, arrays, **kw) if self.multi else arrays
 
   def train(self, mb: dict) -> dict:
     return self._train(self._tell("train", mb))
@@ -123,20 +117,17 @@ class LearnerGroup:
 
   def follow(self) -> None:
     """A follower's loop: run what the leader names, until it says stop."""
-    while True:
-      cmd = broadcast_json(None)
-      op = cmd["op"]
-      if op == "stop":
-        return
-      if op == "train":
-        self._train(broadcast_arrays(None))
-      elif op == "logp":
-        self._logp(cmd["which"], broadcast_arrays(None))
-      elif op == "teacher":
-        self._teacher(cmd["which"], broadcast_arrays(None))
-      elif op == "weights":
-        self._weights()
-      elif op == "save":
-        self._save(cmd["step"], {}, cmd["meta"])
-      else:
-        raise RuntimeError(f"learner group: unknown op {op!r} from the leader")
+    follow({"train": lambda cmd, a: self._train(a),
+            "logp": lambda cmd, a: self._logp(cmd["which"], a),
+            "teacher": lambda cmd, a: self._teacher(cmd["which"], a),
+            "weights": lambda cmd, a: self._weights(),
+            "save": lambda cmd, a: self._save(cmd["step"], {}, cmd["meta"]),
+            "engine": lambda cmd, a: self._engine(cmd, a)})
+
+  def _engine(self, cmd: dict, arrays: dict) -> None:
+    """A follower's share of one decode call of the sampler on the trainer's mesh
+    (``rl.learner_sampler=mesh``): the leader's inputs, the current weights (the leader's engine
+    always holds those: it is published right after each update)."""
+    eng = self.run.engine
+    eng.set_weights(*self._params("current"), eng.version)
+    eng.replay(arrays, cmd["view"])

@@ -139,19 +139,25 @@ class RLRun:
     self.teacher_fn = L.make_teacher_fn(self.tr.graphdef, cfg) if rl.feedback_kl_coef > 0 else None
     self.logp_fn = _make_logp_fn(self.tr.graphdef, cfg)
     self.group = LearnerGroup(self)
-    self.group.gather_initial(self.start)  # every process: the sampler's first weights
+    # The learner job's own sampler (the sync loop's rollouts, the end-of-run evaluation): on the
+    # leader's devices, laid out as a Ray worker's (rl.worker_devices); or (rl.learner_sampler=mesh)
+    # on the trainer's mesh, every process holding its shards and replaying the leader's calls.
+    self.on_mesh = rl.learner_sampler == "mesh"
+    if rl.async_ or not self.on_mesh:
+      self.group.gather_initial(self.start)  # every process: the first host copy of the weights
     self.metrics = MetricsLog(out_dir, self.start)
     self.engine = self.runner = self.sft_chats = self.demos = self.rollout_file = None
     self.sampler_mesh = self.sampler_shardings = None
+    if self.leader or self.on_mesh:
+      self.sampler_mesh, self.sampler_shardings = worker_devices.learner_layout(
+          cfg, nnx.split(abstract_model(cfg), nnx.Param, ...)[1:], self.tr.mesh)
+      self.engine = Engine(self.tr.graphdef, *self.sampler_weights(self.start), cfg,
+                           n_slots=rl.decode_batch, max_len=rl.max_context, seed=rl.seed + self.start,
+                           version=self.start, mesh=self.sampler_mesh,
+                           tell=self.group._tell if self.on_mesh and self.leader and self.group.multi
+                           else None)
     if not self.leader:
       return
-    # rl.worker_devices > 1: the leader's own sampler (the sync loop's rollouts, the end-of-run
-    # evaluation) on the same layout as a Ray worker's, over this process's first N devices.
-    self.sampler_mesh, self.sampler_shardings = worker_devices.layout(
-        cfg, nnx.split(abstract_model(cfg), nnx.Param, ...)[1:])
-    self.engine = Engine(self.tr.graphdef, *self.sampler_weights(self.start), cfg,
-                         n_slots=rl.decode_batch, max_len=rl.max_context, seed=rl.seed + self.start,
-                         version=self.start, mesh=self.sampler_mesh)
     self.runner = RolloutRunner(self.engine, self.tok, cfg, mode=self.mode, log=log)
     self.sft_chats = _load_sft_chats(rl.sft_mix_path, self.tok) if rl.sft_mix_coef > 0 else None
     if rl.expert_demo_rows > 0:
@@ -315,9 +321,11 @@ class RLRun:
     self.engine.set_weights(*self.sampler_weights(version), version)
 
   def sampler_weights(self, version: int):
-    """The policy for the leader's own engine: placed on the sampler mesh (rl.worker_devices > 1);
-    else the trainer's arrays with one process, and with several the gathered host copy on this
-    process's first device (the engine runs on this host alone)."""
+    """The policy for the learner job's own engine: the trainer's arrays (rl.learner_sampler=mesh);
+    else placed on the sampler mesh (rl.worker_devices > 1); else the trainer's arrays with one
+    process, and with several the gathered host copy on this process's first device."""
+    if self.on_mesh:  # the trainer's own arrays (the layouts are one)
+      return self.tr.state["params"], self.tr.state["rest"]
     w = self.group.weights(version)
     if self.sampler_shardings is not None:
       leaves, treedef = jax.tree.flatten(w)
@@ -344,8 +352,13 @@ class RLRun:
       self.group.follow()
       self.ck.close()
       return {}
+    evaluation = (lambda: evaluate(self.runner, load_task_set(cfg.rl.eval_tasks, "rl.eval_tasks"),
+                                   cfg.eval.samples, os.path.join(self.out, "eval"), cfg.eval.k,
+                                   self.log)) if cfg.rl.eval_tasks else None
     try:
       last = self._steps(total)
+      if evaluation and self.on_mesh:  # while the followers still replay the engine's calls
+        last["eval"] = evaluation()
     except BaseException:
       self.group.stop()  # let the followers exit instead of waiting on a leader that has stopped
       raise
@@ -354,10 +367,8 @@ class RLRun:
     self.metrics.close()
     self.rollout_file.close()
     plot_metrics(self.out, RL_PLOTS)
-    if cfg.rl.eval_tasks:
-      tasks = load_task_set(cfg.rl.eval_tasks, "rl.eval_tasks")
-      last["eval"] = evaluate(self.runner, tasks, cfg.eval.samples, os.path.join(self.out, "eval"),
-                              cfg.eval.k, self.log)
+    if evaluation and not self.on_mesh:
+      last["eval"] = evaluation()
     self.log(f"done: {total} RL steps in {self.out}")
     return last
 
@@ -461,13 +472,15 @@ def load_policy(run_dir: str, overrides: list[str] = ()):
   graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
   # Onto this process's devices, whatever devices wrote it (a multi-host run's checkpoint names
   # devices that do not exist here): the first one, or with rl.worker_devices > 1 the sampler mesh
-  # over the first N, each device reading only its slices (rl/worker_devices.py).
-  _, shardings = worker_devices.layout(cfg, (params, rest))
+  # over the first N, each device reading only its slices (rl/worker_devices.py); with
+  # rl.learner_sampler=mesh the trainer's mesh over every process (all of them restore together).
+  _, shardings = worker_devices.learner_layout(cfg, (params, rest))
   leaves, treedef = jax.tree.flatten((params, rest))
   shardings = shardings or [jax.sharding.SingleDeviceSharding(jax.local_devices()[0])] * len(leaves)
   params, rest = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                                               for x, s in zip(leaves, shardings)])
-  src = ckpt_lib.Checkpointer(ck_dir, keep=1000, async_save=False, local=True)
+  src = ckpt_lib.Checkpointer(ck_dir, keep=1000, async_save=False,
+                              local=cfg.rl.learner_sampler != "mesh")
   targets = {"params": params, "rest": rest}
   got = src.restore_latest(targets, json_items=()) if step is None else (step, src.restore(step, targets, json_items=()))
   src.close()
@@ -478,14 +491,26 @@ def load_policy(run_dir: str, overrides: list[str] = ()):
 
 def eval_run_dir(run_dir: str, tasks: list, samples: int, out_dir: str, overrides: list[str] = (),
                  log=print) -> dict:
+  """``tasks`` x ``samples`` episodes of a run directory's policy. With rl.learner_sampler=mesh on
+  several processes every process calls this: process 0 plays the episodes and returns the
+  summary, the others replay its engine's calls and return {}."""
+  from composer_jax.parallel.multihost import follow, tell
   from composer_jax.rl.sampler import Engine
   cfg, tok, graphdef, params, rest = load_policy(run_dir, overrides)
-  mode = check_isolation(cfg)
+  spans = cfg.rl.learner_sampler == "mesh" and jax.process_count() > 1
   engine = Engine(graphdef, params, rest, cfg, n_slots=cfg.rl.decode_batch, max_len=cfg.rl.max_context,
-                  seed=cfg.rl.seed, mesh=worker_devices.sampler_mesh(cfg))
-  # pass@k at k = samples is always reported (the main job's table shows it), beside eval.k.
-  return evaluate(RolloutRunner(engine, tok, cfg, mode=mode, log=log), tasks, samples, out_dir,
-                  sorted(set(cfg.eval.k) | {samples}), log)
+                  seed=cfg.rl.seed, mesh=worker_devices.learner_mesh(cfg),
+                  tell=tell if spans and is_primary() else None)
+  if spans and not is_primary():
+    follow({"engine": lambda cmd, a: engine.replay(a, cmd["view"])})
+    return {}
+  try:
+    # pass@k at k = samples is always reported (the main job's table shows it), beside eval.k.
+    return evaluate(RolloutRunner(engine, tok, cfg, mode=check_isolation(cfg), log=log), tasks,
+                    samples, out_dir, sorted(set(cfg.eval.k) | {samples}), log)
+  finally:
+    if spans:
+      tell("stop")
 
 
 def run_rl(cfg: Config, out_dir: str, *, init: str | None = None, resume: bool = False,

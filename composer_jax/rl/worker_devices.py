@@ -9,7 +9,8 @@ tensor shard by shard with the trainer's rule table, so a policy larger than one
 decodes. ``worker_platform=cpu`` with N > 1 gives the actor N fake host devices: the path the tests
 take, the same code as on accelerators. The learner process's own sampler (``RLRun.engine``: the
 sync loop's rollouts) and the evaluation engine (``rl.loop.load_policy`` / ``eval_run_dir``) use
-the same layout over their process's first N devices.
+the same layout over their process's first N devices, unless ``rl.learner_sampler=mesh`` puts them
+on the trainer's mesh over every process (``learner_layout``).
 
 The sizes are checked with the config (``check``), before Ray or a compile starts: the mesh must use
 exactly the worker's devices and divide the decode batch over its batch axes, and every parameter
@@ -61,6 +62,10 @@ def check(cfg: Config) -> None:
   if rl.worker_devices == 0 and rl.worker_platform != "cpu":
     raise ConfigError(f"rl.worker_platform={rl.worker_platform} needs rl.worker_devices >= 1 (the "
                       "accelerators each rollout worker reserves)")
+  if rl.learner_sampler == "mesh" and cfg.mesh.context != 1:
+    raise ConfigError(f"rl.learner_sampler=mesh samples on the trainer's mesh, whose context axis is "
+                      f"{cfg.mesh.context}: decoding feeds one token a row, which context parallelism "
+                      "does not split; set rl.learner_sampler=leader or mesh.context=1")
   s = mesh_sizes(cfg)
   if s["context"] > 1:
     raise ConfigError("rl.worker_mesh.context must be 1: the sampler decodes one token a row, which "
@@ -144,4 +149,23 @@ def layout(cfg: Config, abstract_tree) -> tuple:
   """(mesh, one sharding per leaf of ``abstract_tree``) of a sampler, or (None, None) on one device:
   what a Ray worker, the learner's own engine and the evaluation engine each place their weights by."""
   mesh = sampler_mesh(cfg)
+  return mesh, leaf_shardings(cfg, abstract_tree, mesh)
+
+
+def learner_mesh(cfg: Config, mesh=None):
+  """The learner job's own sampler's mesh: a worker's (``sampler_mesh``) over this process's devices,
+  or with ``rl.learner_sampler=mesh`` the trainer's (``mesh``, else built from ``cfg.mesh``) over
+  every process."""
+  if cfg.rl.learner_sampler != "mesh":
+    return sampler_mesh(cfg)
+  if mesh is None:
+    from composer_jax.parallel.mesh import build_mesh
+    mesh = build_mesh(cfg.mesh)
+  return mesh
+
+
+def learner_layout(cfg: Config, abstract_tree, mesh=None) -> tuple:
+  """``layout`` for the learner job's own sampler (``learner_mesh``): with ``rl.learner_sampler=mesh``
+  each device holds the slices of the weights it trains."""
+  mesh = learner_mesh(cfg, mesh)
   return mesh, leaf_shardings(cfg, abstract_tree, mesh)

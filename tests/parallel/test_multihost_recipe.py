@@ -56,3 +56,12 @@ def test_main_job_on_two_processes_and_its_resume(tmp_path):
     assert all(f"== {name}: done earlier, skipped" in text for name in STAGES)
   with open(out / "summary.json") as f:
     assert json.load(f)["rl"] == s["rl"]
+  # The RL policy's evaluation again, its sampler over both processes (rl.learner_sampler=mesh):
+  # process 1 replays process 0's decode calls; the same episodes as on process 0's one device.
+  (out / ".stages" / "eval_rl.json").unlink()
+  mesh = run_cluster([*args, "--resume", "rl.learner_sampler=mesh"], n=2, env=_env(), timeout=600)
+  for rc, text in mesh:
+    assert rc == 0, text[-4000:]
+    assert "== eval_rl\n" in text and "== rl: done earlier, skipped" in text
+  with open(out / "summary.json") as f:
+    assert json.load(f)["rl"] == s["rl"]

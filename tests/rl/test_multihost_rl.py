@@ -90,3 +90,30 @@ def test_async_rl_on_two_processes_runs_broadcasts_and_resumes(world):
     assert rc == 0, text[-3000:]
     assert "resumed from" in text
   assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_sync_rl_and_eval_sample_on_the_mesh_of_two_processes(world):
+  """rl.learner_sampler=mesh: the engine spans both processes' devices (each holds its shards of the
+  weights and the cache, the follower replaying the leader's decode calls), for the sync rollouts,
+  the end-of-run evaluation and `composer-jax eval --policy`. Against one process on the same
+  8-device mesh: the same episodes and the same evaluation."""
+  root, init, tasks = world
+  over = MODEL + RL + MESH + RUN + [f"rl.tasks={tasks}", "rl.steps=1", "rl.learner_sampler=mesh",
+                                    f"rl.eval_tasks={tasks}", "eval.samples=1"]
+  one, two = root / "mh_mesh_one", root / "mh_mesh_two"
+  for d, n in ((one, 1), (two, 2)):
+    for rc, text in _launch(d, over, "--init", init, n=n):
+      assert rc == 0, text[-3000:]
+  ra, rb = _jsonl(one / "rollouts.jsonl"), _jsonl(two / "rollouts.jsonl")
+  assert [r["messages"] for r in ra] == [r["messages"] for r in rb]  # both steps' episodes
+  ea, eb = (json.load(open(d / "eval" / "summary.json")) for d in (one, two))
+  assert eb["tasks"] == 4 and eb["per_task"] == ea["per_task"]
+  # The evaluation command over both processes: process 0 prints the summary, process 1 replays.
+  out = root / "mh_mesh_eval"
+  outs = run_cluster(["eval", "--tasks", tasks, "--policy", str(two), "--samples", "1", "--out",
+                      str(out), "--set", "rl.learner_sampler=mesh", "--set"], n=2)
+  for rc, text in outs:
+    assert rc == 0, text[-3000:]
+  assert '"pass@1"' in outs[0][1] and '"pass@1"' not in outs[1][1]
+  assert json.load(open(out / "summary.json"))["tasks"] == 4

@@ -30,6 +30,8 @@ LAYOUT = ["model.vocab_size=96", "rl.decode_batch=4", "rl.worker_devices=4",
     (["rl.worker_devices=2", "rl.worker_mesh={context: 2}"], "rl.worker_mesh.context must be 1"),
     (["rl.worker_platform=gpu"], "rl.worker_platform=gpu needs rl.worker_devices >= 1"),
     (["rl.worker_devices=-1"], "rl.worker_devices=-1 must be >= 0"),
+    (["rl.learner_sampler=mesh", "mesh.context=2"], "rl.learner_sampler=mesh samples on the trainer's mesh, "
+     "whose context axis is 2"),
     # Every parameter is laid out on the abstract model: 2048 ids do not split over tensor=3.
     (["rl.worker_devices=3"], r"rl.worker_mesh .*'tensor': 3.*dim 'vocab' of size 2048 is not divisible"),
 ])
@@ -105,3 +107,56 @@ def test_sync_rl_samples_on_the_worker_mesh_with_the_trainers_weights(world, tmp
   last = run.run()
   assert last["train_infer_logprob_abs_diff"] < 1e-4 and last["routing_mismatch_frac"] < 0.01
   assert run.engine.version == 1 and len(devices()) == 2  # the update's weights, on the mesh again
+
+
+def test_a_follower_engine_replaying_the_leaders_calls_holds_the_same_cache():
+  """rl.learner_sampler=mesh on several processes: the leader's engine sends each model call's host
+  inputs through ``tell``; a follower's engine ``replay``s them. Here both engines share one process
+  (tensor=2 x expert=2): after the leader's four episodes, the follower has made the same calls, got
+  the same outputs and holds bit-identical cache buffers, their slot rows split over the batch
+  axis (expert=2)."""
+  cfg, model = _setup(LAYOUT)
+  graphdef, params, rest = split_model(model)
+  mesh = WD.sampler_mesh(cfg)
+  calls = []
+
+  def tell(op, arrays, **kw):
+    assert op == "engine"
+    calls.append(({k: np.copy(v) for k, v in arrays.items()}, kw["view"]))
+    return arrays
+
+  make = lambda tell: Engine(graphdef, params, rest, cfg, n_slots=4, max_len=128, seed=5, mesh=mesh,
+                             tell=tell)
+  leader, follower = make(tell), make(None)
+  c = leader._bufs[0][0]
+  assert c.addressable_shards[0].data.shape[0] == 2  # 4 slots over expert=2
+  outs, own = [], leader.replay  # the leader's engine makes each call through replay too
+  leader.replay = lambda args, view: outs.append(own(args, view)) or outs[-1]
+  rs = np.random.RandomState(7)
+  gens = leader.run([Request(k, [int(t) for t in rs.randint(0, 96, n)], 10, ())
+                     for k, n in zip("abcd", (5, 11, 3, 19))])
+  assert len(calls) == len(outs) == leader.stats["steps"] > 10 and all(len(g.tokens) == 10 for g in gens)
+  for (args, view), want in zip(calls, outs):
+    for a, b in zip(follower.replay(args, view), want):  # sampled ids, log-probs, routed experts
+      np.testing.assert_array_equal(a, b)
+  for a, b in zip(jax.tree.leaves(leader._bufs), jax.tree.leaves(follower._bufs)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert np.asarray(leader._bufs[0][0]).any()
+
+
+@pytest.mark.skipif(not sandbox.bwrap_available(), reason="bubblewrap cannot run here")
+def test_sync_rl_samples_on_the_trainers_mesh(world, tmp_path):
+  """rl.learner_sampler=mesh: the learner's own engine decodes with the trainer's arrays themselves
+  (no gather, no copy) on the trainer's 8-device mesh, before and after the update, and the
+  end-of-run evaluation runs on it too; learner and sampler agree as on one device."""
+  from composer_jax.rl.loop import RLRun
+  _, init, tasks = world
+  cfg = load_config(None, MODEL + RL + [f"rl.tasks={tasks}", "rl.steps=1", "rl.learner_sampler=mesh",
+                                        "mesh.data=2", "mesh.expert=2", "mesh.tensor=2",
+                                        f"rl.eval_tasks={tasks}", "eval.samples=1"])
+  run = RLRun(cfg, str(tmp_path / "rl"), init=init)
+  assert run.engine.mesh is run.tr.mesh and run.engine.params is run.tr.state["params"]
+  last = run.run()
+  assert last["train_infer_logprob_abs_diff"] < 1e-4 and last["routing_mismatch_frac"] < 0.01
+  assert run.engine.version == 1 and run.engine.params is run.tr.state["params"]
+  assert last["eval"]["tasks"] == 4 and last["eval"]["samples_per_task"] == 1
