@@ -114,7 +114,11 @@ class Transformer(nnx.Module):
   # -- pieces -------------------------------------------------------------------------------------
 
   def embed_tokens(self, tokens):
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(dtype_of(self.cfg.compute_dtype))
+    # The table whole along d (FSDP's all-gather of a weight) before the lookup: gathering rows of a
+    # d-sharded table gave rows sharded on d, which XLA then moved to batch-sharded by all-gathering
+    # the whole global batch's embeddings onto every device.
+    table = constrain(self.embed[...], ("vocab", None))
+    x = jnp.take(table, tokens, axis=0).astype(dtype_of(self.cfg.compute_dtype))
     return constrain(x, ("act_batch", "act_seq", "act_embed"))
 
   def logits(self, h):

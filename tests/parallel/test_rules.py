@@ -59,6 +59,31 @@ def test_params_created_on_their_shardings():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_embedding_lookup_moves_the_table_not_the_batch():
+  """FSDP shards the table's d. Looking rows up in the d-sharded table gave embeddings sharded on d,
+  and XLA then made them batch-sharded by all-gathering the whole global batch's embeddings onto
+  every device (its "involuntary full rematerialization"; at pod scale, global batch x sequence x
+  d on each chip). The lookup now gathers the table first: on data=4 x fsdp=2 the compiled lookup
+  holds no collective whose output spans the global batch, and its values equal one device's."""
+  from composer_jax.parallel.rules import activate
+  cfg = load_config("configs/tiny.yaml", ["model.n_layers=2", "mesh.data=4", "mesh.fsdp=2"])
+  mesh, rules = build_mesh(cfg.mesh), make_rules(cfg.mesh.rules)
+  graphdef, state = nnx.split(build_model(cfg, mesh))
+  assert state["embed"][...].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+  tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (8, 64)).astype(np.int32)
+  batch = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"))))
+  lookup = jax.jit(lambda st, t: nnx.merge(graphdef, st).embed_tokens(t))
+  with activate(mesh, rules):
+    hlo = lookup.lower(state, batch).compile().as_text()
+    got = lookup(state, batch)
+  big = [ln for ln in hlo.splitlines()
+         if any(f" {op}(" in ln for op in ("all-gather", "all-to-all", "collective-permute"))
+         and f"[8,64," in ln.split("=")[1].split(" ")[1]]
+  assert not big, big
+  want = np.asarray(state["embed"][...])[tokens]
+  np.testing.assert_array_equal(np.asarray(got), want.astype(np.asarray(got).dtype))
+
+
 def test_plan_bytes_match_arithmetic():
   cfg = load_config("configs/tiny.yaml", ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=4"])
   plan = sharding_plan(cfg)
