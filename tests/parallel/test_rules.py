@@ -78,7 +78,7 @@ def test_embedding_lookup_moves_the_table_not_the_batch():
     got = lookup(state, batch)
   big = [ln for ln in hlo.splitlines()
          if any(f" {op}(" in ln for op in ("all-gather", "all-to-all", "collective-permute"))
-         and f"[8,64," in ln.split("=")[1].split(" ")[1]]
+         and "[8,64," in ln.split("=")[1].split(" ")[1]]
   assert not big, big
   want = np.asarray(state["embed"][...])[tokens]
   np.testing.assert_array_equal(np.asarray(got), want.astype(np.asarray(got).dtype))

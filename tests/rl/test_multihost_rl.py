@@ -107,7 +107,7 @@ def test_sync_rl_and_eval_sample_on_the_mesh_of_two_processes(world):
       assert rc == 0, text[-3000:]
   ra, rb = _jsonl(one / "rollouts.jsonl"), _jsonl(two / "rollouts.jsonl")
   assert [r["messages"] for r in ra] == [r["messages"] for r in rb]  # both steps' episodes
-  ea, eb = (json.load(open(d / "eval" / "summary.json")) for d in (one, two))
+  ea, eb = (json.loads((d / "eval" / "summary.json").read_text()) for d in (one, two))
   assert eb["tasks"] == 4 and eb["per_task"] == ea["per_task"]
   # The evaluation command over both processes: process 0 prints the summary, process 1 replays.
   out = root / "mh_mesh_eval"
@@ -116,4 +116,4 @@ def test_sync_rl_and_eval_sample_on_the_mesh_of_two_processes(world):
   for rc, text in outs:
     assert rc == 0, text[-3000:]
   assert '"pass@1"' in outs[0][1] and '"pass@1"' not in outs[1][1]
-  assert json.load(open(out / "summary.json"))["tasks"] == 4
+  assert json.loads((out / "summary.json").read_text())["tasks"] == 4

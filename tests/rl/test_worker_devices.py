@@ -30,8 +30,8 @@ LAYOUT = ["model.vocab_size=96", "rl.decode_batch=4", "rl.worker_devices=4",
     (["rl.worker_devices=2", "rl.worker_mesh={context: 2}"], "rl.worker_mesh.context must be 1"),
     (["rl.worker_platform=gpu"], "rl.worker_platform=gpu needs rl.worker_devices >= 1"),
     (["rl.worker_devices=-1"], "rl.worker_devices=-1 must be >= 0"),
-    (["rl.learner_sampler=mesh", "mesh.context=2"], "rl.learner_sampler=mesh samples on the trainer's mesh, "
-     "whose context axis is 2"),
+    (["rl.learner_sampler=mesh", "mesh.context=2"],
+     "rl.learner_sampler=mesh samples on the trainer's mesh, whose context axis is 2"),
     # Every parameter is laid out on the abstract model: 2048 ids do not split over tensor=3.
     (["rl.worker_devices=3"], r"rl.worker_mesh .*'tensor': 3.*dim 'vocab' of size 2048 is not divisible"),
 ])
