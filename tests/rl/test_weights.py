@@ -186,3 +186,60 @@ def test_to_device_shares_the_fetched_buffers_and_keeps_them_alive():
   for o, w in zip(out, want):
     assert _same_bits([np.asarray(o)], [w])
   del junk
+
+
+def test_blocks_carry_each_member_only_its_devices_slices():
+  """A gang's broadcast (``Publisher(grids=)``): every tensor cut as the worker mesh shards it, one
+  store object per block. A member holding half the mesh fetches only its blocks (and, in a delta,
+  only those that changed), decodes them bit-exactly, and places them where the full tensors would
+  be placed; a receiver of every block rebuilds every tensor."""
+  import jax
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  devs = np.asarray(jax.devices()[:4]).reshape(2, 2)
+  mesh, sizes = Mesh(devs, ("a", "b")), {"a": 2, "b": 2}
+  rng = np.random.default_rng(0)
+  tree = {"e": rng.standard_normal((4, 3, 2)).astype(BF16), "s": np.array(3.0, np.float32),
+          "w": rng.standard_normal((8, 6)).astype(np.float32)}
+  specs = [P(("a", "b")), P(), P("a", "b")]  # leaf order: e, s, w
+  names, arrays = W.flatten(tree)
+  grids = [W.block_grid(a.shape, sp, sizes) for a, sp in zip(arrays, specs)]
+  assert grids == [(4, 1, 1), (), (2, 2)]
+  shardings = [NamedSharding(mesh, sp) for sp in specs]
+  shapes = [a.shape for a in arrays]
+  store: dict = {}
+
+  def put(x):
+    store[len(store)] = x
+    return len(store) - 1
+  fetched: list = []
+
+  def get(h):
+    fetched.append(h)
+    return store[h]
+  pub = W.Publisher(full_sync_every=5, delta=True, put=put, grids=grids)
+  half = set(devs[0])  # mesh row a=0: e's blocks 0 and 1, w's top half, the scalar
+  want = W.wanted_blocks(names, shapes, grids, shardings, devices=half)
+  assert want == {"['e']@0,0,0", "['e']@1,0,0", "['s']@", "['w']@0,0", "['w']@0,1"}
+  member, whole = W.Receiver(get=get, want=want), W.Receiver(get=get)
+  member.apply(pub.publish(tree, 0))
+  assert len(fetched) == 1 + len(want)  # the update's block list, then this member's blocks only
+  blocks = dict(zip(member.names, member.arrays))
+  np.testing.assert_array_equal(blocks["['w']@0,1"], tree["w"][:4, 3:])
+  assert blocks["['e']@1,0,0"].dtype == BF16 and np.array_equal(blocks["['e']@1,0,0"], tree["e"][1:2])
+  # A delta that changes one element of w's bottom-right block (not this member's) and one of e's 1st.
+  new = {k: v.copy() for k, v in tree.items()}
+  new["w"][7, 5] += 1
+  new["e"][1, 2, 1] = BF16(5.0)
+  fetched.clear()
+  assert member.apply(pub.publish(new, 1)) and pub.chain[-1][1] == "delta"
+  assert len(fetched) == 2  # the update, and the one changed block this member holds
+  blocks = dict(zip(member.names, member.arrays))
+  np.testing.assert_array_equal(blocks["['e']@1,0,0"], new["e"][1:2])
+  # Every block: the tensors placed from blocks are the tensors placed whole, bit for bit.
+  whole.apply(pub.chain)
+  placed = W.blocks_to_device(names, shapes, grids, shardings, dict(zip(whole.names, whole.arrays)))
+  for got, want_a, sh in zip(placed, W.flatten(new)[1], shardings):
+    assert got.sharding == sh
+    assert got.shape == want_a.shape
+    np.testing.assert_array_equal(W._bits(np.asarray(got)), W._bits(want_a))
