@@ -17,8 +17,8 @@ the batch's arrays, broadcast from process 0), then every process runs it. Follo
 ``follow()`` until the leader's ``stop()``. With one process nothing is broadcast and every method
 is the plain single-process call, so the single-host path is unchanged.
 
-Gathering the whole policy onto every host (``weights``) matches rollout workers that each hold a
-full copy. A policy too large for one host samples on the trainer's own mesh instead
+Gathering the whole policy onto the leader (``weights``, a tensor at a time; the followers keep
+none of it) matches rollout workers that each take a full copy from the object store. A policy too large for one host samples on the trainer's own mesh instead
 (``rl.learner_sampler=mesh``): every process holds its shards of the engine, and each decode call
 is one more op here (``engine``), the leader's inputs replayed by the followers (``Engine.replay``).
 """
@@ -70,7 +70,8 @@ class LearnerGroup:
     return self._host_weights[1]
 
   def gather_initial(self, version: int) -> None:
-    """Every process, at start-up (before the followers enter ``follow``): the first host copy."""
+    """Every process, at start-up (before the followers enter ``follow``): the leader's first host
+    copy."""
     if self.multi:
       self._host_weights = (version, self._weights())
 
@@ -108,8 +109,16 @@ class LearnerGroup:
                                        x["positions"], x["experts"]))
 
   def _weights(self):
+    """The leader's host copy of the policy. Gathered a tensor at a time (every process takes part
+    in each gather); a follower drops each tensor at once, so no follower holds more than one
+    (it has no use for a copy: its engine, if any, holds the trainer's own arrays)."""
     st = self.run.tr.state
-    return to_host((st["params"], st["rest"]))
+    if not self.multi:
+      return to_host((st["params"], st["rest"]))
+    leaves, treedef = jax.tree.flatten((st["params"], st["rest"]))
+    keep = jax.process_index() == 0
+    out = [h if keep else None for h in map(to_host, leaves)]
+    return jax.tree.unflatten(treedef, out) if keep else None
 
   def _save(self, step: int, data: dict, meta: dict) -> None:
     r = self.run
