@@ -12,6 +12,9 @@ records the version that sampled it.
 The learner side (``Orchestrator``) bounds the work in flight (trajectories reach it through the
 ObjectRefs of finished units, at most ``max_units`` outstanding), notices a dead worker (SIGKILL:
 its refs raise ``RayActorError``), hands that worker's units back for re-queueing, and replaces it.
+With ``rl.worker_hosts`` > 1 a worker is a gang of actors, one per host, under one placement group
+and one ``jax.distributed`` job (``RolloutWorker``): it is placed, fed (each member only its blocks of
+the broadcast, ``rl/weights.py``) and replaced as one.
 ``Ledger`` is the learner's record of which tasks are handed out but not yet trained on; it is what
 the checkpoint carries, so a resumed run neither loses nor repeats a task.
 """
@@ -96,53 +99,99 @@ def _swap_engine_class():
 
 
 class RolloutWorker:
-  """A sampler + environment pool. Built inside the actor from the learner's resolved config."""
+  """A sampler + environment pool. Built inside the actor from the learner's resolved config.
 
-  def __init__(self, cfg_dict: dict, tok_path: str, worker_id: int, seed: int, cpus=None):
+  With ``rl.worker_hosts=H > 1`` one worker is H actors (``member`` 0..H-1, one per host) that join
+  one ``jax.distributed`` job (``join``) and hold their shards of one engine on a mesh over all their
+  devices. Member 0 plays the episodes as a one-actor worker does; before each model call it tells
+  the others the call's host inputs and its weight version (``multihost.tell``), and they replay the
+  call on their shards (``serve``), each first taking that version from its own copy of the
+  broadcast chain."""
+
+  def __init__(self, cfg_dict: dict, tok_path: str, worker_id: int, seed: int, cpus=None,
+               member: int = 0):
     if cpus:  # before XLA starts its thread pool, which then sizes itself to these cores
       pin_process(set(cpus))
+    from composer_jax.config import from_dict
+    self.born = time.perf_counter()
+    self.cfg = from_dict(cfg_dict)
+    self.tok_path, self.id, self.seed, self.member = tok_path, worker_id, seed, member
+    self.lock = threading.Lock()
+    self.mailbox: list | None = None
+    self.chains: dict[int, list] = {}  # a gang follower's chains by last version (``_weights_at``)
+    self.engine = self.runner = None
+    self.busy_s = 0.0
+    self.busy = False
+    self.swaps = 0
+    if self.cfg.rl.worker_hosts == 1:
+      self._setup()
+    # else: nothing may touch a JAX backend before ``join`` has initialized jax.distributed
+
+  def coordinator(self) -> str:
+    """Member 0: a free address on this node for the gang's ``jax.distributed`` coordinator."""
+    import socket
+
+    import ray
+    with socket.socket() as sk:
+      sk.bind(("", 0))
+      port = sk.getsockname()[1]
+    return f"{ray.util.get_node_ip_address()}:{port}"
+
+  def join(self, address: str) -> None:
+    """Every member of a gang, together: one jax.distributed job, then the sampler's layout on it."""
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only the CPU backend reads it
+    jax.distributed.initialize(address, num_processes=self.cfg.rl.worker_hosts, process_id=self.member)
+    self._setup()
+
+  def _setup(self) -> None:
     import jax
     import ray
     from flax import nnx
 
-    from composer_jax.config import from_dict
     from composer_jax.data.tokenizer import load_tokenizer
     from composer_jax.env.sandbox import require_isolation
     from composer_jax.model.build import abstract_model
     from composer_jax.rl import worker_devices
     from composer_jax.rl.agent import RolloutRunner
     from composer_jax.rl.loop import load_task_set
-    from composer_jax.rl.weights import Receiver
-    self.born = time.perf_counter()
-    self.cfg = cfg = from_dict(cfg_dict)
-    self.mode = require_isolation(cfg.env.sandbox, "model-driven episodes")
-    self.tasks = load_task_set(cfg.rl.tasks, "rl.tasks")
-    self.tok = load_tokenizer(tok_path)
-    self.id, self.seed = worker_id, seed
+    from composer_jax.rl.weights import Receiver, wanted_blocks
+    cfg = self.cfg
+    if self.member == 0:  # followers play no episodes: no sandbox, tasks or tokenizer
+      self.mode = require_isolation(cfg.env.sandbox, "model-driven episodes")
+      self.tasks = load_task_set(cfg.rl.tasks, "rl.tasks")
+      self.tok = load_tokenizer(self.tok_path)
     self.graphdef, params, rest = nnx.split(abstract_model(cfg), nnx.Param, ...)
     self.treedef = jax.tree_util.tree_structure((params, rest))
-    # rl.worker_devices > 1: the sampler's mesh over this actor's devices, and each broadcast tensor's
-    # sharding on it (every device receives only its slices).
+    # rl.worker_devices > 1: the sampler's mesh over this actor's devices (a gang's: over every
+    # member's), and each broadcast tensor's sharding on it (every device receives only its slices).
     self.mesh, self.shardings = worker_devices.layout(cfg, (params, rest))
+    # A gang's broadcast comes in blocks (rl/weights.py): this member fetches only its devices'.
+    self.grids = worker_devices.block_grids(cfg, (params, rest))
+    want = None
+    if self.grids is not None:
+      leaves = jax.tree_util.tree_flatten_with_path((params, rest))[0]
+      self.leaf_names = [jax.tree_util.keystr(k) for k, _ in leaves]
+      self.leaf_shapes = [v.shape for _, v in leaves]
+      want = wanted_blocks(self.leaf_names, self.leaf_shapes, self.grids, self.shardings)
     # No host copy of a full update: _swap hands the store's read-only buffers to weights.to_device,
     # which on CPU aliases them (the workers share one copy; the engine donates only its caches).
-    self.rx = Receiver(get=ray.get, copy=False)
-    self.lock = threading.Lock()
-    self.mailbox: list | None = None
-    self.engine = self.runner = None
-    self.busy_s = 0.0
-    self.busy = False
-    self.swaps = 0
+    self.rx = Receiver(get=ray.get, copy=False, want=want)
     self._RolloutRunner = RolloutRunner
 
   # -- weights group ------------------------------------------------------------------------------
 
   def push(self, chain: list) -> None:
     with self.lock:
-      self.mailbox = chain
+      if self.member:  # a follower takes the version member 0 names, not the newest
+        self.chains[chain[-1][0]] = chain
+      else:
+        self.mailbox = chain
 
   def info(self) -> dict:
-    return {"pid": os.getpid(), "busy": self.busy, "version": self.rx.version}
+    rx = getattr(self, "rx", None)  # a gang member before ``join`` has none yet
+    return {"pid": os.getpid(), "busy": self.busy, "version": rx.version if rx else -1,
+            "fetched_bytes": rx.fetched_bytes if rx else 0}
 
   def devices(self) -> int:
     """Devices the sampler's weights are spread over (0 before the first weights arrive)."""
@@ -156,21 +205,64 @@ class RolloutWorker:
   def _swap(self) -> None:
     import jax
 
-    from composer_jax.rl.weights import to_device
+    from composer_jax.rl.weights import blocks_to_device, to_device
     with self.lock:
       chain, self.mailbox = self.mailbox, None
     if chain is None or not self.rx.apply(chain):
       return
-    params, rest = jax.tree_util.tree_unflatten(self.treedef, to_device(self.rx.arrays, self.shardings))
+    if self.grids is None:
+      arrays = to_device(self.rx.arrays, self.shardings)
+    else:
+      arrays = blocks_to_device(self.leaf_names, self.leaf_shapes, self.grids, self.shardings,
+                                dict(zip(self.rx.names, self.rx.arrays, strict=True)))
+    params, rest = jax.tree_util.tree_unflatten(self.treedef, arrays)
     if self.engine is None:
+      from composer_jax.rl.sampler import Engine
       rl = self.cfg.rl
-      self.engine = _swap_engine_class()(self.graphdef, params, rest, self.cfg, n_slots=rl.decode_batch,
-                                         max_len=rl.max_context, seed=self.seed,
-                                         version=self.rx.version, mesh=self.mesh, swap=self._swap)
-      self.runner = self._RolloutRunner(self.engine, self.tok, self.cfg, mode=self.mode)
+      cls = _swap_engine_class() if self.member == 0 else Engine
+      kw = {"swap": self._swap} if self.member == 0 else {}
+      if self.member == 0 and rl.worker_hosts > 1:
+        kw["tell"] = self._tell
+      self.engine = cls(self.graphdef, params, rest, self.cfg, n_slots=rl.decode_batch,
+                        max_len=rl.max_context, seed=self.seed, version=self.rx.version,
+                        mesh=self.mesh, **kw)
+      if self.member == 0:
+        self.runner = self._RolloutRunner(self.engine, self.tok, self.cfg, mode=self.mode)
     else:
       self.engine.set_weights(params, rest, self.rx.version)
       self.swaps += 1
+
+  # -- a gang (rl.worker_hosts > 1) -------------------------------------------------------------------
+
+  def _tell(self, op: str, arrays: dict | None = None, **kw):
+    """Member 0's engine: each model call's inputs and weight version to the other members."""
+    from composer_jax.parallel.multihost import tell
+    return tell(op, arrays, version=self.engine.version, **kw)
+
+  def _weights_at(self, version: int) -> None:
+    """A follower: take ``version`` (the chain that member 0 swapped to; it may still be on its way)."""
+    deadline = time.perf_counter() + 600
+    while getattr(self.rx, "version", -1) != version:
+      with self.lock:
+        chain = self.chains.get(version)
+      if chain is not None:
+        with self.lock:
+          self.mailbox, self.chains = chain, {v: c for v, c in self.chains.items() if v > version}
+        self._swap()
+        break
+      if time.perf_counter() > deadline:
+        raise RuntimeError(f"gang member {self.member}: weights version {version} never arrived")
+      time.sleep(0.01)
+
+  def serve(self) -> None:
+    """A follower's whole life after ``join``: replay member 0's model calls until it is killed
+    (with its gang: one member's death ends the gang's jax.distributed job)."""
+    from composer_jax.parallel.multihost import follow
+
+    def replay(cmd, arrays):
+      self._weights_at(cmd["version"])
+      self.engine.replay(arrays, cmd["view"])
+    follow({"engine": replay})
 
   def run(self, unit: list[tuple[int, int]]) -> dict:
     """Play ``group_size`` episodes of each (group id, task index); the rollouts per group id."""
@@ -216,7 +308,7 @@ MAX_UNIT_ERRORS = 3  # units that raise (not worker deaths) before the run stops
 def _local_ray(rl) -> dict:
   """ray.init arguments of a local Ray. A sized object store is preallocated: a weight broadcast then
   writes into pages already mapped (experiments/rl_broadcast.py: a 64 MiB put 9.4 ms vs 43 ms)."""
-  out: dict = {"num_cpus": max(2, rl.num_workers)}
+  out: dict = {"num_cpus": max(2, rl.num_workers * rl.worker_hosts)}
   if rl.object_store_mb > 0:
     out.update(object_store_memory=rl.object_store_mb * 2**20,
                _system_config={"preallocate_plasma_memory": True})
@@ -239,6 +331,17 @@ def _runtime_env(cfg: Config) -> dict:
   return {"env_vars": env}
 
 
+def _grids(cfg: Config) -> list | None:
+  """The block grids of a gang's broadcast (``worker_devices.block_grids``); None without gangs."""
+  if cfg.rl.worker_hosts <= 1:
+    return None
+  from flax import nnx
+
+  from composer_jax.model.build import abstract_model
+  from composer_jax.rl.worker_devices import block_grids
+  return block_grids(cfg, nnx.split(abstract_model(cfg), nnx.Param, ...)[1:])
+
+
 class Orchestrator:
   """Starts Ray (or joins ``rl.ray_address``), spawns ``rl.num_workers`` workers, broadcasts weights,
   submits units and collects their results; replaces dead workers."""
@@ -254,17 +357,20 @@ class Orchestrator:
     if self.own_ray:
       ray.init(address=rl.ray_address or None, include_dashboard=False, log_to_driver=False,
                configure_logging=False, **({} if rl.ray_address else _local_ray(rl)))
+    self.resources = actor_resources(cfg)
     self.actor_cls = ray.remote(max_restarts=0, concurrency_groups={"weights": 1, "rollouts": 1},
-                                **actor_resources(cfg))(
-        worker_cls or RolloutWorker).options(runtime_env=_runtime_env(cfg))
-    self.publisher = Publisher(rl.full_sync_every, rl.weight_delta, put=ray.put)
+                                **self.resources)(worker_cls or RolloutWorker)
+    self.runtime_env = _runtime_env(cfg)
+    self.publisher = Publisher(rl.full_sync_every, rl.weight_delta, put=ray.put, grids=_grids(cfg))
     # rl.worker_cpus: on a Ray of our own, the learner (this process) and the workers on their own cores.
     self.cpus = split(rl.worker_cpus) if self.own_ray and not rl.ray_address else None
     self.driver_cpus = pin_process(self.cpus[0]) if self.cpus else None
     if self.cpus:
       log(f"[rl] learner on cores {sorted(self.cpus[0])}, rollout workers on {sorted(self.cpus[1])}")
     self.cfg_dict = cfg.to_dict()
-    self.workers: dict[int, object] = {}
+    self.workers: dict[int, object] = {}  # worker id -> its actor (a gang's member 0)
+    self.gangs: dict[int, tuple] = {}  # rl.worker_hosts > 1: worker id -> (placement group, followers)
+    self.serving: dict[object, int] = {}  # a follower's ``serve`` ref -> its worker id
     self.inflight: dict[object, tuple[int, list]] = {}  # ref -> (worker id, unit)
     self.spawned = 0
     self.counts = collections.Counter(worker_deaths=0, unit_errors=0, requeued=0)
@@ -276,21 +382,51 @@ class Orchestrator:
     wid = self.spawned
     self.spawned += 1
     seed = self.cfg.rl.seed * 1000 + 17 + wid
-    self.workers[wid] = self.actor_cls.remote(self.cfg_dict, self.tok_path, wid, seed,
-                                              **({"cpus": sorted(self.cpus[1])} if self.cpus else {}))
+    kw = {"cpus": sorted(self.cpus[1])} if self.cpus else {}
+    if self.cfg.rl.worker_hosts == 1:
+      self.workers[wid] = self.actor_cls.options(runtime_env=self.runtime_env).remote(
+          self.cfg_dict, self.tok_path, wid, seed, **kw)
+    else:
+      self._spawn_gang(wid, seed, kw)
     if self.publisher.chain:
-      self._push(self.workers[wid])
+      self._push(wid)
     return wid
 
-  def _push(self, w) -> None:
-    w.push.options(concurrency_group="weights").remote(self.publisher.chain)
+  def _spawn_gang(self, wid: int, seed: int, kw: dict) -> None:
+    """``rl.worker_hosts`` actors placed together (one placement group: all or none, spread over
+    nodes where it can), joined into one jax.distributed job; the followers then ``serve``."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    hosts, res = self.cfg.rl.worker_hosts, self.resources
+    bundle = {"CPU": res["num_cpus"], **({"GPU": res["num_gpus"]} if "num_gpus" in res else {}),
+              **res.get("resources", {})}
+    pg = ray.util.placement_group([dict(bundle) for _ in range(hosts)], strategy="SPREAD")
+    ready, _ = ray.wait([pg.ready()], timeout=600)
+    if not ready:
+      ray.util.remove_placement_group(pg)
+      raise RuntimeError(f"rl.worker_hosts={hosts}: Ray could not place {hosts} actors of {bundle} "
+                         "within 600 s: check the cluster's resources or lower rl.worker_hosts")
+    members = [self.actor_cls.options(
+        runtime_env=self.runtime_env,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)).remote(
+            self.cfg_dict, self.tok_path, wid, seed, member=i, **kw) for i in range(hosts)]
+    address = ray.get(members[0].coordinator.remote())
+    for m in members:  # in the rollouts group, so that ``run`` and ``serve`` queue behind it
+      m.join.options(concurrency_group="rollouts").remote(address)
+    for m in members[1:]:
+      self.serving[m.serve.options(concurrency_group="rollouts").remote()] = wid
+    self.workers[wid], self.gangs[wid] = members[0], (pg, members[1:])
+
+  def _push(self, wid: int) -> None:
+    for w in [self.workers[wid], *self.gangs.get(wid, (None, []))[1]]:
+      w.push.options(concurrency_group="weights").remote(self.publisher.chain)
 
   def broadcast(self, tree, version: int) -> dict:
     """One put per update, the chain to every worker; returns sizes and time."""
     t0 = time.perf_counter()
     chain = self.publisher.publish(tree, version)
-    for w in self.workers.values():
-      self._push(w)
+    for wid in self.workers:
+      self._push(wid)
     dt = time.perf_counter() - t0
     self.broadcast_s += dt
     return {"broadcast_s": dt, "broadcast_bytes": self.publisher.last_bytes, "broadcast_kind": chain[-1][1]}
@@ -315,9 +451,16 @@ class Orchestrator:
     import ray
     if not self.inflight:
       return [], []
-    ready, _ = ray.wait(list(self.inflight), num_returns=1, timeout=timeout)
+    # A gang follower's ``serve`` only returns by failing: its gang's job is over.
+    ready, _ = ray.wait(list(self.inflight) + list(self.serving), num_returns=1, timeout=timeout)
     results, lost = [], []
     for ref in ready:
+      if ref in self.serving:
+        wid = self.serving.pop(ref)
+        if wid in self.workers:
+          self.counts["worker_deaths"] += 1
+          lost += self._replace(wid, None, "lost a gang member")
+        continue
       if ref not in self.inflight:
         continue
       wid, unit = self.inflight.pop(ref)
@@ -335,21 +478,31 @@ class Orchestrator:
     self.counts["requeued"] += sum(len(u) for u in lost)
     return results, lost
 
-  def _replace(self, wid: int, unit: list, why: str) -> list[list]:
-    """Units lost with worker ``wid`` (``unit`` and any queued behind it); a new worker replaces it."""
-    import ray
-    lost = [unit]
+  def _replace(self, wid: int, unit: list | None, why: str) -> list[list]:
+    """Units lost with worker ``wid`` (``unit`` and any queued behind it); a new worker replaces it
+    (a gang: all of its members, in a new placement group)."""
+    lost = [unit] if unit is not None else []
     if wid in self.workers:  # once per worker, however many of its units come back failed
       lost += [self.inflight.pop(r)[1] for r, (w, _) in list(self.inflight.items()) if w == wid]
-      ray.kill(self.workers.pop(wid))
+      self._kill(wid)
       new = self._spawn()
       self.log(f"[rl] rollout worker {wid} {why}; {len(lost)} unit(s) re-queued; worker {new} replaces it")
     return lost
 
+  def _kill(self, wid: int) -> None:
+    import ray
+    ray.kill(self.workers.pop(wid))
+    if wid in self.gangs:
+      pg, followers = self.gangs.pop(wid)
+      for m in followers:
+        ray.kill(m)
+      self.serving = {r: w for r, w in self.serving.items() if w != wid}
+      ray.util.remove_placement_group(pg)
+
   def shutdown(self) -> None:
     import ray
-    for w in self.workers.values():
-      ray.kill(w)
+    for wid in list(self.workers):
+      self._kill(wid)
     self.workers, self.inflight = {}, {}
     if self.own_ray:
       ray.shutdown()

@@ -7,7 +7,8 @@ them for the actor (``num_gpus=N``, or N ``TPU`` resources; on a GPU node Ray se
 sizes as in the ``mesh`` section; ``{}`` = every device on ``tensor``) and places every broadcast
 tensor shard by shard with the trainer's rule table, so a policy larger than one device still
 decodes. ``worker_platform=cpu`` with N > 1 gives the actor N fake host devices: the path the tests
-take, the same code as on accelerators. The learner process's own sampler (``RLRun.engine``: the
+take, the same code as on accelerators. With ``rl.worker_hosts=H > 1`` a worker is a gang of H such
+actors, one per host, joined by ``jax.distributed``: the mesh spans their H x N devices (``rl/orchestrator.py``). The learner process's own sampler (``RLRun.engine``: the
 sync loop's rollouts) and the evaluation engine (``rl.loop.load_policy`` / ``eval_run_dir``) use
 the same layout over their process's first N devices, unless ``rl.learner_sampler=mesh`` puts them
 on the trainer's mesh over every process (``learner_layout``).
@@ -31,7 +32,7 @@ _JAX_PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 
 def mesh_sizes(cfg: Config) -> dict[str, int]:
   """The sampler mesh's axis sizes (every axis named, -1 resolved); ConfigError on a bad one."""
-  rl, n = cfg.rl, cfg.rl.worker_devices
+  rl, n = cfg.rl, cfg.rl.worker_devices * max(cfg.rl.worker_hosts, 1)
   given = dict(rl.worker_mesh or {})
   if given and n < 1:
     raise ConfigError(f"rl.worker_mesh={given} needs rl.worker_devices >= 1 (the devices it spans)")
@@ -49,8 +50,9 @@ def mesh_sizes(cfg: Config) -> dict[str, int]:
   sizes = fill_axis(sizes, n, field="rl.worker_mesh", devices="devices of rl.worker_devices")
   total = int(np.prod(list(sizes.values())))
   if n >= 1 and total != n:
-    raise ConfigError(f"rl.worker_mesh={given} spans {total} devices but rl.worker_devices={n}: make "
-                      "them equal")
+    hosts = f" x rl.worker_hosts={rl.worker_hosts}" if rl.worker_hosts > 1 else ""
+    raise ConfigError(f"rl.worker_mesh={given} spans {total} devices but rl.worker_devices="
+                      f"{rl.worker_devices}{hosts} = {n}: make them equal")
   return sizes
 
 
@@ -62,6 +64,20 @@ def check(cfg: Config) -> None:
   if rl.worker_devices == 0 and rl.worker_platform != "cpu":
     raise ConfigError(f"rl.worker_platform={rl.worker_platform} needs rl.worker_devices >= 1 (the "
                       "accelerators each rollout worker reserves)")
+  if rl.worker_hosts < 1:
+    raise ConfigError(f"rl.worker_hosts={rl.worker_hosts} must be >= 1 (processes of one rollout worker)")
+  if rl.worker_hosts > 1:
+    if rl.worker_devices < 1:
+      raise ConfigError(f"rl.worker_hosts={rl.worker_hosts} needs rl.worker_devices >= 1 (each member's "
+                        "devices: the gang's mesh spans hosts x devices)")
+    if not rl.async_:
+      raise ConfigError(f"rl.worker_hosts={rl.worker_hosts} is the Ray rollout workers' layout, but "
+                        "rl.async=false samples in the learner job: set rl.async=true, or "
+                        "rl.learner_sampler=mesh for a sampler over the learner's hosts")
+    if rl.learner_sampler != "mesh":
+      raise ConfigError(f"rl.worker_hosts={rl.worker_hosts}: a policy that needs several hosts to "
+                        "decode needs them for the learner job's own sampler (evaluations) too: set "
+                        "rl.learner_sampler=mesh")
   if rl.learner_sampler == "mesh" and cfg.mesh.context != 1:
     raise ConfigError(f"rl.learner_sampler=mesh samples on the trainer's mesh, whose context axis is "
                       f"{cfg.mesh.context}: decoding feeds one token a row, which context parallelism "
@@ -74,7 +90,7 @@ def check(cfg: Config) -> None:
   if rl.decode_batch % batch:
     raise ConfigError(f"rl.decode_batch={rl.decode_batch} is not divisible by the worker mesh's batch "
                       f"axes (data x fsdp x expert = {batch}): change rl.decode_batch or rl.worker_mesh")
-  if rl.worker_devices > 1:
+  if rl.worker_devices * rl.worker_hosts > 1:
     _check_params(cfg, s)
 
 
@@ -117,20 +133,46 @@ def actor_env(cfg: Config) -> dict:
 
 
 def sampler_mesh(cfg: Config):
-  """The worker's mesh over its first ``rl.worker_devices`` local devices, or None (one device)."""
+  """The worker's mesh over its first ``rl.worker_devices`` local devices, or None (one device).
+  A gang's (``rl.worker_hosts`` > 1, after ``jax.distributed.initialize``): over every member's
+  devices, process by process."""
   import jax
 
   from composer_jax.parallel.mesh import build_mesh
-  n = cfg.rl.worker_devices
-  if n <= 1:
+  n, hosts = cfg.rl.worker_devices, cfg.rl.worker_hosts
+  if n * hosts <= 1:
     return None
-  devices = jax.local_devices()
-  if len(devices) < n:
-    raise ConfigError(f"rl.worker_devices={n}, but this rollout worker sees {len(devices)} "
-                      f"{devices[0].platform} device(s): check the node's accelerators (Ray's "
+  local = jax.local_devices()
+  if len(local) < n:
+    raise ConfigError(f"rl.worker_devices={n}, but this rollout worker sees {len(local)} "
+                      f"{local[0].platform} device(s): check the node's accelerators (Ray's "
                       "num_gpus / TPU resources) or lower rl.worker_devices")
+  if hosts > 1 and (jax.process_count() != hosts or len(local) != n):
+    raise ConfigError(f"rl.worker_hosts={hosts} x rl.worker_devices={n}: this gang member is one of "
+                      f"{jax.process_count()} process(es) with {len(local)} device(s)")
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id)) if hosts > 1 else local[:n]
   sizes = mesh_sizes(cfg)
-  return build_mesh(MeshConfig(**sizes, rules=dict(cfg.mesh.rules)), devices=devices[:n])
+  return build_mesh(MeshConfig(**sizes, rules=dict(cfg.mesh.rules)), devices=devices)
+
+
+def block_grids(cfg: Config, abstract_tree) -> list | None:
+  """A gang's (``rl.worker_hosts`` > 1) block grid per leaf of ``abstract_tree``, from the rule
+  table on the worker mesh's sizes: how the broadcast cuts each tensor (``weights.block_grid``), the
+  same on the learner (no worker devices there) and in every member. None for one-process workers."""
+  if cfg.rl.worker_hosts <= 1:
+    return None
+  import types
+
+  import jax
+  from jax.sharding import PartitionSpec
+
+  from composer_jax.parallel.rules import make_rules, state_specs
+  from composer_jax.rl.weights import block_grid
+  sizes = mesh_sizes(cfg)
+  specs = state_specs(abstract_tree, types.SimpleNamespace(shape=sizes), make_rules(cfg.mesh.rules))
+  specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+  return [block_grid(x.shape, sp, sizes) for x, sp in zip(jax.tree.leaves(abstract_tree), specs,
+                                                           strict=True)]
 
 
 def leaf_shardings(cfg: Config, abstract_tree, mesh) -> list | None:

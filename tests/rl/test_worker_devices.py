@@ -32,6 +32,14 @@ LAYOUT = ["model.vocab_size=96", "rl.decode_batch=4", "rl.worker_devices=4",
     (["rl.worker_devices=-1"], "rl.worker_devices=-1 must be >= 0"),
     (["rl.learner_sampler=mesh", "mesh.context=2"],
      "rl.learner_sampler=mesh samples on the trainer's mesh, whose context axis is 2"),
+    (["rl.worker_hosts=0"], "rl.worker_hosts=0 must be >= 1"),
+    (["rl.worker_hosts=2"], "rl.worker_hosts=2 needs rl.worker_devices >= 1"),
+    (["rl.worker_hosts=2", "rl.worker_devices=2", "rl.async=false"],
+     "rl.worker_hosts=2 is the Ray rollout workers' layout, but rl.async=false"),
+    (["rl.worker_hosts=2", "rl.worker_devices=2"], "rl.worker_hosts=2: .* set rl.learner_sampler=mesh"),
+    # A gang's mesh spans hosts x devices: {tensor: 2} is not 2 x 2.
+    (["rl.worker_hosts=2", "rl.worker_devices=2", "rl.learner_sampler=mesh", "rl.worker_mesh={tensor: 2}"],
+     r"spans 2 devices but rl.worker_devices=2 x rl.worker_hosts=2 = 4"),
     # Every parameter is laid out on the abstract model: 2048 ids do not split over tensor=3.
     (["rl.worker_devices=3"], r"rl.worker_mesh .*'tensor': 3.*dim 'vocab' of size 2048 is not divisible"),
 ])
