@@ -233,6 +233,10 @@ class RLConfig:
   learner_sampler: Literal["leader", "mesh"] = "leader"
   weight_delta: bool = True  # broadcast XOR deltas between full copies (rl/weights.py)
   full_sync_every: int = 10  # a full weight copy every N versions
+  # Where the broadcast is put from: leader = process 0, the policy gathered onto it a tensor at a
+  # time; shards = every learner process its own shards, nothing gathered (a policy larger than one
+  # host; rl/learner_group.py). Needs rl.async=true; one-process learners only for now (docs/rl.md).
+  broadcast_from: Literal["leader", "shards"] = "leader"
   # Sampling.
   max_new_tokens: int = 256  # per assistant turn
   max_context: int = 0  # cache length of one segment (prompt + turns); 0 = model.max_seq_len

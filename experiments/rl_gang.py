@@ -64,15 +64,16 @@ def member_shares() -> list[dict]:
     size = {}
     for n, v, g in zip(names, leaves, grids):
       nbytes = int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize // int(np.prod(g) if g else 1)
+      step = [d // k for d, k in zip(v.shape, g)]
       for c in np.ndindex(*g):
-        size[W.block_name(n, c)] = nbytes
+        size[W.piece_name(n, tuple((i * s, (i + 1) * s) for i, s in zip(c, step)))] = nbytes
     full = sum(size.values())
     devs = jax.devices()[: hosts * devices]
     shares = []
     for h in range(hosts):  # the mesh is laid over the members' devices process by process
-      want = W.wanted_blocks(names, [v.shape for v in leaves], grids, shardings,
-                             devices=set(devs[h * devices:(h + 1) * devices]))
-      shares.append(sum(size[b] for b in want) / full)
+      want = W.wants(names, [v.shape for v in leaves], shardings,
+                     devices=set(devs[h * devices:(h + 1) * devices]))
+      shares.append(sum(b for p, b in size.items() if want(p)) / full)
     row = {"config": path, "hosts": hosts, "devices_per_host": devices, "worker_mesh": mesh,
            "full_gib": full / 2**30, "blocks": len(size), "member_share_min": min(shares),
            "member_share_max": max(shares)}
@@ -94,8 +95,7 @@ def tiny_costs(reps: int) -> dict:
   cfg, names, leaves, grids, shardings = _gang("configs/tiny.yaml", 2, 4, "{expert: 8}")
   model = build_model(cfg)
   tree = nnx.split(model, nnx.Param, ...)[1:]
-  want = W.wanted_blocks(names, [v.shape for v in leaves], grids, shardings,
-                         devices=set(jax.devices()[:4]))
+  want = W.wants(names, [v.shape for v in leaves], shardings, devices=set(jax.devices()[:4]))
   ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, num_cpus=2,
            object_store_memory=256 * 2**20, _system_config={"preallocate_plasma_memory": True})
   out = {}

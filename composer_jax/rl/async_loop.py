@@ -54,7 +54,7 @@ class AsyncRLRun(RLRun):
     self.tokens_since, self.drafts_since = 0, [0, 0]  # drafts proposed, kept (rl.speculative_mtp)
     self.t_last = time.perf_counter()
     self.orch = Orchestrator(cfg, os.path.join(out_dir, "tokenizer.json"), log=log)
-    self.last_broadcast = self.orch.broadcast(self.group.weights(self.version), self.version)
+    self.last_broadcast = self._broadcast(self.version)
 
   # -- work in flight -------------------------------------------------------------------------------
 
@@ -140,7 +140,15 @@ class AsyncRLRun(RLRun):
   def publish(self, version: int) -> None:
     super().publish(version)  # the local engine (end-of-run eval) follows the learner too
     self.version = version
-    self.last_broadcast = self.orch.broadcast(self.group.weights(version), version)
+    self.last_broadcast = self._broadcast(version)
+
+  def _broadcast(self, version: int) -> dict:
+    """The weights of ``version`` to the workers: gathered onto the leader and put from there, or
+    (rl.broadcast_from=shards) put by every learner process, each its own shards."""
+    if self.cfg.rl.broadcast_from == "shards":
+      t0 = time.perf_counter()
+      return self.orch.send(*self.group.pieces(version), t0)
+    return self.orch.broadcast(self.group.weights(version), version)
 
   def checkpoint_data(self, step: int) -> dict:
     return {**super().checkpoint_data(step), "ledger": self.ledger.state()}

@@ -10,6 +10,8 @@ over the global mesh. ``LearnerGroup`` is that work:
   * ``logp(which, batch)`` / ``teacher(which, batch)``: trainer log-probs (old or reference policy)
     and the feedback teacher's targets, on the current or the frozen initial weights;
   * ``weights()``: the whole policy as host arrays, for the sampler engine and the broadcast;
+  * ``pieces(version)``: the broadcast without a gather (rl.broadcast_from=shards): every process
+    puts its own shards into the Ray object store;
   * ``save(step, data, meta)``: an Orbax checkpoint (every process writes its shards).
 
 The leader calls these; each call first tells the followers which one it is (a JSON command, then
@@ -18,12 +20,20 @@ the batch's arrays, broadcast from process 0), then every process runs it. Follo
 is the plain single-process call, so the single-host path is unchanged.
 
 Gathering the whole policy onto the leader (``weights``, a tensor at a time; the followers keep
-none of it) matches rollout workers that each take a full copy from the object store. A policy too large for one host samples on the trainer's own mesh instead
-(``rl.learner_sampler=mesh``): every process holds its shards of the engine, and each decode call
-is one more op here (``engine``), the leader's inputs replayed by the followers (``Engine.replay``).
+none of it) suits a policy that fits one host. One that does not is never gathered: the learner
+job's own sampler runs on the trainer's mesh (``rl.learner_sampler=mesh``: every process holds its
+shards of the engine, and each decode call is one more op here, ``engine``, the leader's inputs
+replayed by the followers, ``Engine.replay``), and the broadcast comes from every process
+(``rl.broadcast_from=shards``, ``pieces``): each joins the leader's Ray, puts the distinct shards it
+holds (``weights.local_pieces``, deltas against its own previous ones) and posts its chain of refs to
+a mailbox actor, from which the leader merges the chains for the workers. Each worker fetches the
+pieces that overlap its devices' slices and rebuilds them (``weights.assemble``).
 """
 
 from __future__ import annotations
+
+import os
+import time
 
 import jax
 import numpy as np
@@ -41,6 +51,8 @@ class LearnerGroup:
     self.run = run  # an RLRun: its trainer (tr), checkpointer (ck), frozen weights, jitted fns
     self.multi = jax.process_count() > 1
     self._host_weights = None  # (version, weights) of the last gather
+    self.publisher = None  # rl.broadcast_from=shards: this process's pieces (``pieces``)
+    self.mailbox = None  # the leader's: where the followers post their chains
 
   # -- the leader's calls -----------------------------------------------------------------------------
 
@@ -68,6 +80,31 @@ class LearnerGroup:
       self._tell("weights", version=version)
       self._host_weights = (version, self._weights())
     return self._host_weights[1]
+
+  def pieces(self, version: int) -> tuple[list, int]:
+    """rl.broadcast_from=shards: every process puts its own shards of the policy, nothing is
+    gathered. Returns the merged chain (``weights.merge_chains``) and the payload bytes put."""
+    import ray
+
+    from composer_jax.rl.weights import merge_chains
+    if not self.multi:
+      return self._pieces(version, {})
+    if self.mailbox is None:
+      ctx = ray.get_runtime_context()
+      self.box_name = f"composer_jax_pieces_{ctx.get_job_id()}"
+      self.mailbox = ray.remote(num_cpus=0)(_Mailbox).options(name=self.box_name).remote()
+      # Ray's auth mode (a local Ray turns token auth on by default): a driver that joins by address
+      # must set it itself; its token comes from its own RAY_AUTH_TOKEN or ~/.ray/auth_token.
+      self.where = {"ray": ctx.gcs_address, "namespace": ctx.namespace, "box": self.box_name,
+                    "auth": os.environ.get("RAY_AUTH_MODE", "")}
+    self._tell("pieces", version=version, **self.where)
+    chain, nbytes = self._pieces(version, {})
+    deadline = time.perf_counter() + 600
+    while (posted := ray.get(self.mailbox.take.remote(version, jax.process_count() - 1))) is None:
+      if time.perf_counter() > deadline:
+        raise RuntimeError(f"learner processes did not post their shards of version {version} in 600 s")
+      time.sleep(0.005)
+    return merge_chains([chain, *(c for c, _ in posted)]), nbytes + sum(n for _, n in posted)
 
   def gather_initial(self, version: int) -> None:
     """Every process, at start-up (before the followers enter ``follow``): the leader's first host
@@ -120,6 +157,27 @@ class LearnerGroup:
     out = [h if keep else None for h in map(to_host, leaves)]
     return jax.tree.unflatten(treedef, out) if keep else None
 
+  def _pieces(self, version: int, cmd: dict) -> tuple[list, int]:
+    """Every process: put this process's shards (deltas against its previous ones); a follower
+    posts its chain to the leader's mailbox (joining the leader's Ray on its first call)."""
+    import ray
+
+    from composer_jax.rl.weights import Publisher, local_pieces
+    rl = self.run.cfg.rl
+    if self.publisher is None:
+      if not ray.is_initialized():  # a follower: the leader's Ray, as one more driver
+        if cmd["auth"]:
+          os.environ.setdefault("RAY_AUTH_MODE", cmd["auth"])
+        ray.init(address=cmd["ray"], namespace=cmd["namespace"], log_to_driver=False,
+                 configure_logging=False)
+      self.publisher = Publisher(rl.full_sync_every, rl.weight_delta, put=ray.put)
+    st = self.run.tr.state
+    chain = self.publisher.publish_arrays(*local_pieces((st["params"], st["rest"])), version)
+    if cmd:  # a follower: the refs travel inside an actor call, so Ray counts the leader's borrow
+      box = ray.get_actor(cmd["box"])
+      ray.get(box.post.remote(version, jax.process_index(), chain, self.publisher.last_bytes))
+    return chain, self.publisher.last_bytes
+
   def _save(self, step: int, data: dict, meta: dict) -> None:
     r = self.run
     r.ck.save(step, r._items(r.tr.state), data, meta)
@@ -131,6 +189,7 @@ class LearnerGroup:
             "teacher": lambda cmd, a: self._teacher(cmd["which"], a),
             "weights": lambda cmd, a: self._weights(),
             "save": lambda cmd, a: self._save(cmd["step"], {}, cmd["meta"]),
+            "pieces": lambda cmd, a: self._pieces(cmd["version"], cmd),
             "engine": lambda cmd, a: self._engine(cmd, a)})
 
   def _engine(self, cmd: dict, arrays: dict) -> None:
@@ -140,3 +199,20 @@ class LearnerGroup:
     eng = self.run.engine
     eng.set_weights(*self._params("current"), eng.version)
     eng.replay(arrays, cmd["view"])
+
+
+class _Mailbox:
+  """A Ray actor: the followers' chains of pieces for each version, until the leader takes them."""
+
+  def __init__(self):
+    self.box: dict = {}
+
+  def post(self, version: int, process: int, chain: list, nbytes: int) -> None:
+    self.box[(version, process)] = (chain, nbytes)
+
+  def take(self, version: int, n: int) -> list | None:
+    """The ``n`` followers' (chain, bytes) of ``version`` in process order, once all have posted."""
+    keys = sorted(k for k in self.box if k[0] == version)
+    if len(keys) < n:
+      return None
+    return [self.box.pop(k) for k in keys]

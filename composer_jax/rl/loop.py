@@ -143,7 +143,7 @@ class RLRun:
     # leader's devices, laid out as a Ray worker's (rl.worker_devices); or (rl.learner_sampler=mesh)
     # on the trainer's mesh, every process holding its shards and replaying the leader's calls.
     self.on_mesh = rl.learner_sampler == "mesh"
-    if rl.async_ or not self.on_mesh:
+    if (rl.async_ and rl.broadcast_from == "leader") or not self.on_mesh:
       self.group.gather_initial(self.start)  # every process: the first host copy of the weights
     self.metrics = MetricsLog(out_dir, self.start)
     self.engine = self.runner = self.sft_chats = self.demos = self.rollout_file = None

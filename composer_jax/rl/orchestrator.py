@@ -155,7 +155,7 @@ class RolloutWorker:
     from composer_jax.rl import worker_devices
     from composer_jax.rl.agent import RolloutRunner
     from composer_jax.rl.loop import load_task_set
-    from composer_jax.rl.weights import Receiver, wanted_blocks
+    from composer_jax.rl.weights import Receiver, wants
     cfg = self.cfg
     if self.member == 0:  # followers play no episodes: no sandbox, tasks or tokenizer
       self.mode = require_isolation(cfg.env.sandbox, "model-driven episodes")
@@ -166,14 +166,13 @@ class RolloutWorker:
     # rl.worker_devices > 1: the sampler's mesh over this actor's devices (a gang's: over every
     # member's), and each broadcast tensor's sharding on it (every device receives only its slices).
     self.mesh, self.shardings = worker_devices.layout(cfg, (params, rest))
-    # A gang's broadcast comes in blocks (rl/weights.py): this member fetches only its devices'.
-    self.grids = worker_devices.block_grids(cfg, (params, rest))
-    want = None
-    if self.grids is not None:
-      leaves = jax.tree_util.tree_flatten_with_path((params, rest))[0]
-      self.leaf_names = [jax.tree_util.keystr(k) for k, _ in leaves]
-      self.leaf_shapes = [v.shape for _, v in leaves]
-      want = wanted_blocks(self.leaf_names, self.leaf_shapes, self.grids, self.shardings)
+    # Pieces (rl/weights.py: a gang's blocks, or the learner processes' own shards) are rebuilt into
+    # the tensors by name; a gang member fetches only those overlapping its devices' slices.
+    leaves = jax.tree_util.tree_flatten_with_path((params, rest))[0]
+    self.leaf_names = [jax.tree_util.keystr(k) for k, _ in leaves]
+    self.leaf_shapes = [v.shape for _, v in leaves]
+    want = (wants(self.leaf_names, self.leaf_shapes, self.shardings) if cfg.rl.worker_hosts > 1
+            else None)
     # No host copy of a full update: _swap hands the store's read-only buffers to weights.to_device,
     # which on CPU aliases them (the workers share one copy; the engine donates only its caches).
     self.rx = Receiver(get=ray.get, copy=False, want=want)
@@ -205,16 +204,17 @@ class RolloutWorker:
   def _swap(self) -> None:
     import jax
 
-    from composer_jax.rl.weights import blocks_to_device, to_device
+    from composer_jax.rl.weights import assemble, to_device
     with self.lock:
       chain, self.mailbox = self.mailbox, None
     if chain is None or not self.rx.apply(chain):
       return
-    if self.grids is None:
+    if not self.rx.blocked:  # whole tensors in leaf order
       arrays = to_device(self.rx.arrays, self.shardings)
     else:
-      arrays = blocks_to_device(self.leaf_names, self.leaf_shapes, self.grids, self.shardings,
-                                dict(zip(self.rx.names, self.rx.arrays, strict=True)))
+      arrays = assemble(self.leaf_names, self.leaf_shapes,
+                        dict(zip(self.rx.names, self.rx.arrays, strict=True)), self.shardings)
+      arrays = to_device(arrays) if self.shardings is None else arrays
     params, rest = jax.tree_util.tree_unflatten(self.treedef, arrays)
     if self.engine is None:
       from composer_jax.rl.sampler import Engine
@@ -362,6 +362,7 @@ class Orchestrator:
                                 **self.resources)(worker_cls or RolloutWorker)
     self.runtime_env = _runtime_env(cfg)
     self.publisher = Publisher(rl.full_sync_every, rl.weight_delta, put=ray.put, grids=_grids(cfg))
+    self.chain: list = []  # the newest broadcast chain, for every worker (and every one spawned later)
     # rl.worker_cpus: on a Ray of our own, the learner (this process) and the workers on their own cores.
     self.cpus = split(rl.worker_cpus) if self.own_ray and not rl.ray_address else None
     self.driver_cpus = pin_process(self.cpus[0]) if self.cpus else None
@@ -388,7 +389,7 @@ class Orchestrator:
           self.cfg_dict, self.tok_path, wid, seed, **kw)
     else:
       self._spawn_gang(wid, seed, kw)
-    if self.publisher.chain:
+    if self.chain:
       self._push(wid)
     return wid
 
@@ -419,17 +420,23 @@ class Orchestrator:
 
   def _push(self, wid: int) -> None:
     for w in [self.workers[wid], *self.gangs.get(wid, (None, []))[1]]:
-      w.push.options(concurrency_group="weights").remote(self.publisher.chain)
+      w.push.options(concurrency_group="weights").remote(self.chain)
 
   def broadcast(self, tree, version: int) -> dict:
     """One put per update, the chain to every worker; returns sizes and time."""
     t0 = time.perf_counter()
     chain = self.publisher.publish(tree, version)
+    return self.send(chain, self.publisher.last_bytes, t0)
+
+  def send(self, chain: list, nbytes: int, t0: float) -> dict:
+    """A chain already in the store (``broadcast``, or the learner processes' merged one:
+    rl.broadcast_from=shards) to every worker; ``t0``: when its publishing began."""
+    self.chain = chain
     for wid in self.workers:
       self._push(wid)
     dt = time.perf_counter() - t0
     self.broadcast_s += dt
-    return {"broadcast_s": dt, "broadcast_bytes": self.publisher.last_bytes, "broadcast_kind": chain[-1][1]}
+    return {"broadcast_s": dt, "broadcast_bytes": nbytes, "broadcast_kind": chain[-1][1]}
 
   def load(self, wid: int) -> int:
     return sum(1 for w, _ in self.inflight.values() if w == wid)

@@ -18,11 +18,13 @@ worker applies the deltas after its own version, or the full copy plus every del
 behind the last full sync or a checksum failed (``Receiver``). The functions here are pure and run
 without Ray; the Ray put is a callable passed in.
 
-*Blocks* (a rollout worker spanning several hosts, ``rl.worker_hosts`` > 1): every tensor is cut into
-the blocks of the worker's layout (one per distinct shard: ``block_grid`` from its PartitionSpec and
-the worker mesh's axis sizes) and every block is its own object in the store, the update only
-listing their refs. A gang member fetches just the blocks its own devices hold (``Receiver(want=)``),
-so no host of a gang pulls or holds the whole policy; deltas and checksums are per block.
+*Pieces*: every tensor cut into rectangles, each its own object in the store, the update only listing
+their refs; deltas and checksums are then per piece. A rollout worker spanning several hosts
+(``rl.worker_hosts`` > 1) gets the tensors cut as its mesh cuts them (``split_blocks``), and a
+multi-process learner with ``rl.broadcast_from=shards`` puts its own shards (``local_pieces``, each
+process its chain; ``merge_chains``). A receiver fetches only the pieces that overlap its devices'
+slices (``Receiver(want=)``) and rebuilds its tensors from them (``assemble``), so no host of a gang
+pulls or holds the whole policy and no learner host gathers it.
 """
 
 from __future__ import annotations
@@ -152,8 +154,13 @@ def to_device(arrays: list[np.ndarray], shardings: list | None = None) -> list:
 
 
 # --------------------------------------------------------------------------------------------------
-# Blocks: a tensor cut as a sharded layout cuts it
+# Pieces: a tensor cut into rectangles, each its own store object
 # --------------------------------------------------------------------------------------------------
+# A piece is named ``tensor@start:stop,start:stop`` (its region of the tensor; ``tensor@`` for a 0-d
+# one). Two cuts use them: a gang's blocks (``split_blocks``: the worker mesh's layout, cut on the
+# learner) and a multi-process learner's own shards (``local_pieces``, rl.broadcast_from=shards: each
+# process puts what it holds). A receiver keeps the pieces that overlap what it needs (``wants``) and
+# rebuilds its slices from them (``assemble``), whichever cut they came in.
 
 
 def block_grid(shape: tuple, spec, sizes: dict) -> tuple:
@@ -167,48 +174,109 @@ def block_grid(shape: tuple, spec, sizes: dict) -> tuple:
   return tuple(grid)
 
 
-def block_of(index: tuple, shape: tuple, grid: tuple) -> tuple:
-  """The block coordinates of a device's ``index`` (its tuple of slices of the tensor)."""
-  return tuple((sl.start or 0) // (n // k) for sl, n, k in zip(index, shape, grid, strict=True))
+def region_of(index: tuple, shape: tuple) -> tuple:
+  """``((start, stop), ...)`` of a device's ``index`` (its tuple of slices of a tensor of ``shape``)."""
+  return tuple((sl.start or 0, n if sl.stop is None else sl.stop)
+               for sl, n in zip(index, shape, strict=True))
 
 
-def block_name(name: str, coord: tuple) -> str:
-  return f"{name}@{','.join(map(str, coord))}"
+def piece_name(name: str, region: tuple) -> str:
+  return f"{name}@{','.join(f'{a}:{b}' for a, b in region)}"
+
+
+def parse_piece(piece: str) -> tuple[str, tuple]:
+  name, _, r = piece.rpartition("@")
+  return name, tuple(tuple(int(x) for x in d.split(":")) for d in r.split(",")) if r else ()
 
 
 def split_blocks(names, arrays, grids) -> tuple[tuple, list]:
-  """(block names, block arrays): every tensor cut by its grid, blocks in row-major order."""
+  """(piece names, arrays): every tensor cut by its grid, blocks in row-major order."""
   out_names, out = [], []
   for name, a, grid in zip(names, arrays, grids, strict=True):
     step = [n // k for n, k in zip(a.shape, grid)]
     for coord in np.ndindex(*grid):
-      out_names.append(block_name(name, coord))
+      region = tuple((c * s, (c + 1) * s) for c, s in zip(coord, step))
+      out_names.append(piece_name(name, region))
       # np.array, not ascontiguousarray: that makes a 0-d tensor 1-d
-      out.append(np.array(a[tuple(slice(c * s, (c + 1) * s) for c, s in zip(coord, step))]))
+      out.append(np.array(a[tuple(slice(*r) for r in region)]))
   return tuple(out_names), out
 
 
-def wanted_blocks(names, shapes, grids, shardings, devices=None) -> set[str]:
-  """The blocks held by ``devices`` (default: this process's), for ``Receiver(want=)``."""
+def local_pieces(tree) -> tuple[tuple, list]:
+  """(piece names, host arrays) of the shards of a pytree of jax arrays that this process puts: each
+  distinct shard once over all processes (the copy with replica id 0, on exactly one device)."""
+  import jax
+  names, out = [], []
+  for path, v in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    name = jax.tree_util.keystr(path)
+    for shard in v.addressable_shards:
+      if shard.replica_id == 0:
+        names.append(piece_name(name, region_of(shard.index, v.shape)))
+        out.append(np.asarray(shard.data))
+  return tuple(names), out
+
+
+def _overlaps(a: tuple, b: tuple) -> bool:
+  return all(x0 < y1 and y0 < x1 for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+
+
+def wants(names, shapes, shardings, devices=None):
+  """``Receiver(want=)`` of a receiver holding ``devices``' slices (default: this process's devices)
+  of each tensor under its sharding: true of every piece that overlaps one of those slices."""
   import jax
   mine = (lambda d: d.process_index == jax.process_index()) if devices is None else devices.__contains__
-  want = set()
-  for name, shape, grid, sh in zip(names, shapes, grids, shardings, strict=True):
-    for dev, index in sh.devices_indices_map(tuple(shape)).items():
-      if mine(dev):
-        want.add(block_name(name, block_of(index, tuple(shape), grid)))
+  need: dict[str, set] = {}
+  for name, shape, sh in zip(names, shapes, shardings, strict=True):
+    need[name] = {region_of(index, tuple(shape))
+                  for dev, index in sh.devices_indices_map(tuple(shape)).items() if mine(dev)}
+
+  def want(piece: str) -> bool:
+    name, region = parse_piece(piece)
+    return any(_overlaps(region, r) for r in need.get(name, ()))
   return want
 
 
-def blocks_to_device(names, shapes, grids, shardings, blocks: dict) -> list:
-  """The tensors as global jax arrays from this process's blocks (``{block name: array}``): each of
-  its devices gets its block, whatever the other processes hold."""
+def cut(region: tuple, pieces: list, dtype) -> np.ndarray:
+  """The part ``region`` of a tensor from its pieces ``[(region, array)]`` (disjoint): the piece
+  itself where one matches exactly (no copy), else a new array filled from every piece it overlaps."""
+  for r, a in pieces:
+    if r == region:
+      return a
+  out = np.empty([b - a for a, b in region], dtype)
+  filled = 0
+  for r, a in pieces:
+    lo = [max(x0, y0) for (x0, _), (y0, _) in zip(r, region)]
+    hi = [min(x1, y1) for (_, x1), (_, y1) in zip(r, region)]
+    if any(l >= h for l, h in zip(lo, hi)):
+      continue
+    out[tuple(slice(l - q0, h - q0) for l, h, (q0, _) in zip(lo, hi, region))] = \
+        a[tuple(slice(l - r0, h - r0) for l, h, (r0, _) in zip(lo, hi, r))]
+    filled += int(np.prod([h - l for l, h in zip(lo, hi)]))
+  if filled != out.size:
+    raise ValueError(f"the pieces received cover {filled} of the {out.size} elements of region "
+                     f"{region}: the learner and the worker cut the tensors differently (same config?)")
+  return out
+
+
+def assemble(names, shapes, pieces: dict, shardings=None) -> list:
+  """The tensors ``names`` from the pieces ``{piece name: array}``: whole host arrays, or with
+  ``shardings`` global jax arrays, each of this process's devices getting its slice."""
   import jax
+  by: dict[str, list] = {}
+  for piece, a in pieces.items():
+    name, region = parse_piece(piece)
+    by.setdefault(name, []).append((region, a))
   out = []
-  for name, shape, grid, sh in zip(names, shapes, grids, shardings, strict=True):
-    shape = tuple(shape)
-    out.append(jax.make_array_from_callback(
-        shape, sh, lambda idx, n=name, s=shape, g=grid: blocks[block_name(n, block_of(idx, s, g))]))
+  for i, (name, shape) in enumerate(zip(names, shapes, strict=True)):
+    shape, got = tuple(shape), by.get(name)
+    if not got:
+      raise ValueError(f"no piece of tensor {name} was received (same config on learner and worker?)")
+    dtype = got[0][1].dtype
+    if shardings is None:
+      out.append(cut(tuple((0, n) for n in shape), got, dtype))
+    else:
+      out.append(jax.make_array_from_callback(
+          shape, shardings[i], lambda idx, g=got, s=shape, d=dtype: cut(region_of(idx, s), g, d)))
   return out
 
 
@@ -233,6 +301,11 @@ class Publisher:
     names, arrays = flatten(tree)
     if self.grids is not None:
       names, arrays = split_blocks(names, arrays, self.grids)
+    return self.publish_arrays(names, arrays, version, blocked=self.grids is not None)
+
+  def publish_arrays(self, names, arrays, version: int, blocked: bool = True) -> list:
+    """``names``/``arrays`` as one update: with ``blocked``, pieces (``local_pieces``), each its own
+    object."""
     since_full = version - self.chain[0][0] if self.chain else None
     if (not self.delta or self.prev is None or names != self.names or since_full is None
         or since_full >= self.every):
@@ -241,11 +314,23 @@ class Publisher:
     else:
       upd = encode_delta(version, self.chain[-1][0], names, self.prev, arrays)
     self.prev, self.names, self.last_bytes = arrays, names, upd.nbytes
-    if self.grids is not None:  # the update lists the blocks' refs (None: unchanged in a delta)
+    if blocked:  # the update lists the pieces' refs (None: unchanged in a delta)
       upd.data = [None if d is None else self.put(d) for d in upd.data]
       upd.blocked = True
     self.chain.append((version, upd.kind, self.put(upd)))
     return list(self.chain)
+
+
+def merge_chains(chains: list) -> list:
+  """One chain from every learner process's (rl.broadcast_from=shards): each entry holds one handle
+  per process, whose pieces together make the update. Every process full-syncs at the same
+  versions (the same ``full_sync_every`` over the same versions), so the entries line up."""
+  out = []
+  for entries in zip(*chains, strict=True):
+    if len({e[:2] for e in entries}) != 1:
+      raise ValueError(f"learner processes published different updates: {[e[:2] for e in entries]}")
+    out.append((*entries[0][:2], tuple(e[2] for e in entries)))
+  return out
 
 
 class Receiver:
@@ -253,34 +338,41 @@ class Receiver:
   (``ray.get``). Counts full copies taken and checksum failures. ``copy=False``: the tensors of a
   full update stay views of the fetched buffers (see ``decode``); the caller must not write them."""
 
-  def __init__(self, get=lambda h: h, copy: bool = True, want: set | None = None):
+  def __init__(self, get=lambda h: h, copy: bool = True, want=None):
     self.get, self.copy = get, copy
-    self.want = want  # a blocked chain: the block names to fetch (the rest are never pulled)
+    self.want = want  # pieces: true of the piece names to fetch (``wants``; the rest are never pulled)
+    self.blocked = False  # the tensors are pieces (``assemble`` them), not whole tensors in leaf order
     self.version = -1
     self.arrays: list | None = None
-    self.names: tuple = ()  # of ``arrays`` (the wanted blocks, in the update's order)
+    self.names: tuple = ()  # of ``arrays`` (tensor names, or the wanted pieces' names)
     self.full_copies = 0
     self.checksum_failures = 0
     self.fetched_bytes = 0  # payload bytes pulled from the store
 
   def _fetch(self, handle) -> Update:
-    """The update of ``handle``; a blocked one cut down to the wanted blocks, their payloads fetched."""
-    u = self.get(handle)
-    if u.blocked:
-      keep = [i for i, n in enumerate(u.names) if self.want is None or n in self.want]
-      if self.want is not None and len(keep) != len(self.want):
-        missing = sorted(self.want - set(u.names))[:3]
-        raise ValueError(f"update {u.version} lacks blocks this receiver holds, e.g. {missing}: the "
-                         "learner and the worker cut the tensors differently (same config?)")
-      u = dataclasses.replace(
-          u, names=tuple(u.names[i] for i in keep),
-          data=[None if u.data[i] is None else self.get(u.data[i]) for i in keep],
-          checksums=None if u.checksums is None else [u.checksums[i] for i in keep],
-          dtypes=tuple(u.dtypes[i] for i in keep), shapes=tuple(u.shapes[i] for i in keep),
-          blocked=False)
+    """The update of ``handle`` (a tuple: one part per learner process, ``merge_chains``); a blocked
+    one cut down to the wanted pieces, their payloads fetched."""
+    parts = [self._pieces(self.get(h)) for h in (handle if isinstance(handle, tuple) else (handle,))]
+    u = parts[0] if len(parts) == 1 else dataclasses.replace(
+        parts[0], names=sum((p.names for p in parts), ()), data=[d for p in parts for d in p.data],
+        checksums=None if parts[0].checksums is None else [c for p in parts for c in p.checksums],
+        dtypes=sum((p.dtypes for p in parts), ()), shapes=sum((p.shapes for p in parts), ()))
     self.fetched_bytes += u.nbytes
     self.names = u.names
     return u
+
+  def _pieces(self, u: Update) -> Update:
+    if not u.blocked:
+      self.blocked = False
+      return u
+    self.blocked = True
+    keep = [i for i, n in enumerate(u.names) if self.want is None or self.want(n)]
+    return dataclasses.replace(
+        u, names=tuple(u.names[i] for i in keep),
+        data=[None if u.data[i] is None else self.get(u.data[i]) for i in keep],
+        checksums=None if u.checksums is None else [u.checksums[i] for i in keep],
+        dtypes=tuple(u.dtypes[i] for i in keep), shapes=tuple(u.shapes[i] for i in keep),
+        blocked=False)
 
   def apply(self, chain: list, corrupt=None) -> bool:
     """Bring the tensors to the chain's last version; False if already there. ``corrupt`` (tests)

@@ -263,8 +263,11 @@ def test_async_run_survives_a_killed_worker(world):
   # handed out first and trained at step 3; nothing is lost, the stream continues.
   # Step 3 also runs DAPO's dynamic sampling: without shaping penalties every group of the random
   # policy scores 0 alike, so it takes 2 rounds x 2 groups, finds none informative and skips the update.
+  # And it broadcasts from the shards of its 8-device learner (rl.broadcast_from=shards): the worker
+  # rebuilds every tensor from the pieces.
   cfg3 = load_config(None, MODEL + RL + [f"rl.tasks={tasks}", "rl.async=true", "rl.num_workers=1",
-                                         "rl.max_staleness=1", "rl.steps=3", *DYNAMIC])
+                                         "rl.max_staleness=1", "rl.steps=3", *DYNAMIC,
+                                         "rl.broadcast_from=shards"])
   run = AsyncRLRun(cfg3, str(out), resume=True)
   try:
     assert run.version == 2 and list(run.ledger.queue) == pending

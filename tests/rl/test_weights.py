@@ -188,6 +188,20 @@ def test_to_device_shares_the_fetched_buffers_and_keeps_them_alive():
   del junk
 
 
+def _store():
+  store: dict = {}
+  fetched: list = []
+
+  def put(x):
+    store[len(store)] = x
+    return len(store) - 1
+
+  def get(h):
+    fetched.append(h)
+    return store[h]
+  return put, get, fetched
+
+
 def test_blocks_carry_each_member_only_its_devices_slices():
   """A gang's broadcast (``Publisher(grids=)``): every tensor cut as the worker mesh shards it, one
   store object per block. A member holding half the mesh fetches only its blocks (and, in a delta,
@@ -207,26 +221,20 @@ def test_blocks_carry_each_member_only_its_devices_slices():
   assert grids == [(4, 1, 1), (), (2, 2)]
   shardings = [NamedSharding(mesh, sp) for sp in specs]
   shapes = [a.shape for a in arrays]
-  store: dict = {}
-
-  def put(x):
-    store[len(store)] = x
-    return len(store) - 1
-  fetched: list = []
-
-  def get(h):
-    fetched.append(h)
-    return store[h]
+  put, get, fetched = _store()
   pub = W.Publisher(full_sync_every=5, delta=True, put=put, grids=grids)
   half = set(devs[0])  # mesh row a=0: e's blocks 0 and 1, w's top half, the scalar
-  want = W.wanted_blocks(names, shapes, grids, shardings, devices=half)
-  assert want == {"['e']@0,0,0", "['e']@1,0,0", "['s']@", "['w']@0,0", "['w']@0,1"}
+  want = W.wants(names, shapes, shardings, devices=half)
   member, whole = W.Receiver(get=get, want=want), W.Receiver(get=get)
   member.apply(pub.publish(tree, 0))
-  assert len(fetched) == 1 + len(want)  # the update's block list, then this member's blocks only
+  assert set(member.names) == {"['e']@0:1,0:3,0:2", "['e']@1:2,0:3,0:2", "['s']@", "['w']@0:4,0:3",
+                               "['w']@0:4,3:6"}
+  assert len(fetched) == 1 + 5  # the update's block list, then this member's blocks only
   blocks = dict(zip(member.names, member.arrays))
-  np.testing.assert_array_equal(blocks["['w']@0,1"], tree["w"][:4, 3:])
-  assert blocks["['e']@1,0,0"].dtype == BF16 and np.array_equal(blocks["['e']@1,0,0"], tree["e"][1:2])
+  np.testing.assert_array_equal(blocks["['w']@0:4,3:6"], tree["w"][:4, 3:])
+  assert blocks["['e']@1:2,0:3,0:2"].dtype == BF16
+  assert np.array_equal(blocks["['e']@1:2,0:3,0:2"], tree["e"][1:2])
+  assert blocks["['s']@"].shape == ()
   # A delta that changes one element of w's bottom-right block (not this member's) and one of e's 1st.
   new = {k: v.copy() for k, v in tree.items()}
   new["w"][7, 5] += 1
@@ -235,11 +243,68 @@ def test_blocks_carry_each_member_only_its_devices_slices():
   assert member.apply(pub.publish(new, 1)) and pub.chain[-1][1] == "delta"
   assert len(fetched) == 2  # the update, and the one changed block this member holds
   blocks = dict(zip(member.names, member.arrays))
-  np.testing.assert_array_equal(blocks["['e']@1,0,0"], new["e"][1:2])
+  np.testing.assert_array_equal(blocks["['e']@1:2,0:3,0:2"], new["e"][1:2])
   # Every block: the tensors placed from blocks are the tensors placed whole, bit for bit.
   whole.apply(pub.chain)
-  placed = W.blocks_to_device(names, shapes, grids, shardings, dict(zip(whole.names, whole.arrays)))
+  placed = W.assemble(names, shapes, dict(zip(whole.names, whole.arrays)), shardings)
   for got, want_a, sh in zip(placed, W.flatten(new)[1], shardings):
     assert got.sharding == sh
     assert got.shape == want_a.shape
     np.testing.assert_array_equal(W._bits(np.asarray(got)), W._bits(want_a))
+
+
+def test_learner_shards_as_pieces_rebuild_any_worker_layout():
+  """rl.broadcast_from=shards: each learner process puts the distinct shards it holds (replicas
+  once), the chains of the processes merge into one, and a worker whose mesh cuts the tensors
+  differently fetches only the pieces overlapping its devices' slices and rebuilds them bit-exactly,
+  in full and through a delta; a receiver missing a piece names it instead of placing garbage."""
+  import jax
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+  rng = np.random.default_rng(1)
+  host = {"e": rng.standard_normal((8, 3, 2)).astype(BF16), "s": np.array(2.5, np.float32),
+          "w": rng.standard_normal((8, 6)).astype(np.float32)}
+  learner = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+  lspecs = {"e": P(("x", "y")), "s": P(), "w": P("y")}  # w: 4 row blocks, each on 2 devices
+  place = lambda t: {k: jax.device_put(v, NamedSharding(learner, lspecs[k])) for k, v in t.items()}
+  names, pieces = W.local_pieces(place(host))
+  assert len(names) == 8 + 1 + 4  # every distinct shard once: e's 8, the scalar, w's 4 row blocks
+  np.testing.assert_array_equal(pieces[names.index("['w']@2:4,0:6")], host["w"][2:4])
+  # Two learner "processes", each putting its half of the pieces, merged as the leader merges them.
+  put, get, fetched = _store()
+  pubs = [W.Publisher(full_sync_every=5, put=put) for _ in range(2)]
+
+  def publish(tree, version):
+    n, p = W.local_pieces(place(tree))
+    return W.merge_chains([pub.publish_arrays(n[i::2], p[i::2], version) for i, pub in enumerate(pubs)])
+  # The worker: a 2 x 2 mesh that splits w by columns and e in halves; a member holds row a=0.
+  devs = np.asarray(jax.devices()[:4]).reshape(2, 2)
+  worker = Mesh(devs, ("a", "b"))
+  shardings = [NamedSharding(worker, sp) for sp in (P("a"), P(), P(None, "b"))]  # leaf order: e, s, w
+  tnames, shapes = W.flatten(host)[0], [host[k].shape for k in ("e", "s", "w")]
+  member = W.Receiver(get=get, want=W.wants(tnames, shapes, shardings, devices=set(devs[0])))
+  whole = W.Receiver(get=get)
+  chain = publish(host, 0)
+  assert member.apply(chain) and len(fetched) == 2 + 4 + 1 + 4  # 2 updates; e's first 4, s, all of w
+  got = dict(zip(member.names, member.arrays))
+  by = lambda t: [(W.parse_piece(n)[1], a) for n, a in got.items() if n.startswith(f"['{t}']")]
+  np.testing.assert_array_equal(W.cut(((0, 4), (0, 3), (0, 2)), by("e"), BF16), host["e"][:4])
+  np.testing.assert_array_equal(W.cut(((0, 8), (3, 6)), by("w"), np.float32), host["w"][:, 3:])
+  with pytest.raises(ValueError, match="cover 0 of the 24 elements"):  # e's second half: not fetched
+    W.cut(((4, 8), (0, 3), (0, 2)), by("e"), BF16)
+  # One optimizer-like change in each process's half; the member pulls only what it holds.
+  new = {k: v.copy() for k, v in host.items()}
+  new["w"][5, 4] -= 1  # piece w@4:6, inside the member's columns
+  new["e"][7, 0, 0] = BF16(3.0)  # piece e@7:8, not the member's
+  fetched.clear()
+  chain = publish(new, 1)
+  assert chain[-1][1] == "delta" and member.apply(chain) and len(fetched) == 2 + 1
+  whole.apply(chain)
+  for placed in (W.assemble(tnames, shapes, dict(zip(whole.names, whole.arrays)), shardings),
+                 W.assemble(tnames, shapes, dict(zip(whole.names, whole.arrays)))):
+    for a, k in zip(placed, ("e", "s", "w")):
+      assert np.asarray(a).dtype == new[k].dtype and np.asarray(a).shape == new[k].shape
+      np.testing.assert_array_equal(W._bits(np.asarray(a)), W._bits(new[k]))
+  # Processes that disagree on an update's kind cannot be merged into one chain.
+  with pytest.raises(ValueError, match="different updates"):
+    W.merge_chains([[(2, "full", 0)], [(2, "delta", 1)]])
