@@ -48,6 +48,7 @@ def runs(tmp_path_factory):
   return a, b, resumed
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_on_the_same_global_batches(runs):
   import jax
 
@@ -80,6 +81,7 @@ def test_two_processes_match_one_process_on_the_same_global_batches(runs):
                              rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_the_run_directory_is_written_once(runs):
   a, _, _ = runs
   with open(a / "metrics.jsonl") as f:
@@ -95,6 +97,7 @@ def test_the_run_directory_is_written_once(runs):
   assert state["processes"][0] != state["processes"][1]  # each process packs its own documents
 
 
+@pytest.mark.slow
 def test_resume_on_two_processes_is_bit_identical(runs):
   a, b, resumed = runs
   assert all("resumed from" in text for _, text in resumed)
@@ -103,6 +106,7 @@ def test_resume_on_two_processes_is_bit_identical(runs):
   assert [lb[s] for s in (3, 4)] == [la[s] for s in (3, 4)]
 
 
+@pytest.mark.slow
 def test_one_process_refuses_a_two_process_checkpoint_in_one_line(runs, tmp_path):
   a, _, _ = runs
   c = tmp_path / "c"
@@ -144,6 +148,7 @@ def test_bad_process_environment_is_refused_in_one_line(monkeypatch):
     maybe_initialize_distributed(MeshConfig(distributed=True))
 
 
+@pytest.mark.slow
 def test_sft_on_two_processes_starts_from_a_two_process_run(runs, tmp_path):
   a, _, _ = runs
   chats = [[{"role": "user", "content": f"add {i} and 2"},

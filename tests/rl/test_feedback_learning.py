@@ -45,6 +45,7 @@ def _body_logp(trainer, graphdef, cfg, tokens, start, end):
   return float(np.asarray(token_logprobs(logits, np.asarray(tokens)[None]))[0, start:end].sum())
 
 
+@pytest.mark.slow
 def test_feedback_kl_lowers_the_invalid_tool_call(world):
   from composer_jax.train.loop import build_trainer, put_batch
   _, init, tasks_dir = world

@@ -39,6 +39,7 @@ def _jsonl(path) -> list:
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_sync_rl_on_two_processes_trains_like_one(world):
   import jax
 

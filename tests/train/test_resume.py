@@ -73,6 +73,7 @@ def runs(tmp_path_factory):
   return a, b, killed_at, res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(runs):
   a, b, killed_at, log = runs
   assert "resumed from" in log
@@ -83,6 +84,7 @@ def test_sigkill_then_resume_is_bit_identical(runs):
     assert la[step] == lb[step], (step, la[step], lb[step])
 
 
+@pytest.mark.slow
 def test_run_directory_contents(runs):
   a = runs[0]
   for name in ("config.yaml", "tokenizer.json", "metrics.jsonl"):
@@ -99,6 +101,7 @@ def test_run_directory_contents(runs):
                                       "expert_max_violation", "mtp_ce"))
 
 
+@pytest.mark.slow
 def test_refuses_to_overwrite_checkpoints_without_resume(runs):
   a = runs[0]
   res = subprocess.run(_cmd("pretrain", a), env=_env(), capture_output=True, text=True, check=False, timeout=60)
@@ -106,6 +109,7 @@ def test_refuses_to_overwrite_checkpoints_without_resume(runs):
   assert res.stderr.strip().count("\n") == 0 and "--resume" in res.stderr
 
 
+@pytest.mark.slow
 def test_resume_with_an_incompatible_config_stops_with_one_line(runs):
   """A config change that alters shapes is not 'no checkpoint yet': one line naming the array and
   the differing field, exit 2, and the run directory (config, checkpoints) left as it was."""
