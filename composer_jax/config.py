@@ -235,7 +235,7 @@ class RLConfig:
   full_sync_every: int = 10  # a full weight copy every N versions
   # Where the broadcast is put from: leader = process 0, the policy gathered onto it a tensor at a
   # time; shards = every learner process its own shards, nothing gathered (a policy larger than one
-  # host; rl/learner_group.py). Needs rl.async=true; one-process learners only for now (docs/rl.md).
+  # host; rl/learner_group.py). Needs rl.async=true.
   broadcast_from: Literal["leader", "shards"] = "leader"
   # Sampling.
   max_new_tokens: int = 256  # per assistant turn

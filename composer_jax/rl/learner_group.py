@@ -93,10 +93,8 @@ class LearnerGroup:
       ctx = ray.get_runtime_context()
       self.box_name = f"composer_jax_pieces_{ctx.get_job_id()}"
       self.mailbox = ray.remote(num_cpus=0)(_Mailbox).options(name=self.box_name).remote()
-      # Ray's auth mode (a local Ray turns token auth on by default): a driver that joins by address
-      # must set it itself; its token comes from its own RAY_AUTH_TOKEN or ~/.ray/auth_token.
       self.where = {"ray": ctx.gcs_address, "namespace": ctx.namespace, "box": self.box_name,
-                    "auth": os.environ.get("RAY_AUTH_MODE", "")}
+                    **_ray_auth()}
     self._tell("pieces", version=version, **self.where)
     chain, nbytes = self._pieces(version, {})
     deadline = time.perf_counter() + 600
@@ -166,10 +164,7 @@ class LearnerGroup:
     rl = self.run.cfg.rl
     if self.publisher is None:
       if not ray.is_initialized():  # a follower: the leader's Ray, as one more driver
-        if cmd["auth"]:
-          os.environ.setdefault("RAY_AUTH_MODE", cmd["auth"])
-        ray.init(address=cmd["ray"], namespace=cmd["namespace"], log_to_driver=False,
-                 configure_logging=False)
+        _join_ray(cmd)
       self.publisher = Publisher(rl.full_sync_every, rl.weight_delta, put=ray.put)
     st = self.run.tr.state
     chain = self.publisher.publish_arrays(*local_pieces((st["params"], st["rest"])), version)
@@ -191,6 +186,9 @@ class LearnerGroup:
             "save": lambda cmd, a: self._save(cmd["step"], {}, cmd["meta"]),
             "pieces": lambda cmd, a: self._pieces(cmd["version"], cmd),
             "engine": lambda cmd, a: self._engine(cmd, a)})
+    if self.publisher is not None:  # this follower joined the leader's Ray: leave it before it ends
+      import ray
+      ray.shutdown()
 
   def _engine(self, cmd: dict, arrays: dict) -> None:
     """A follower's share of one decode call of the sampler on the trainer's mesh
@@ -199,6 +197,34 @@ class LearnerGroup:
     eng = self.run.engine
     eng.set_weights(*self._params("current"), eng.version)
     eng.replay(arrays, cmd["view"])
+
+
+def _ray_auth() -> dict:
+  """The leader's Ray authentication, for the followers (one job, one trust domain). A local Ray
+  turns token auth on by setting RAY_AUTH_MODE in the process that starts it, and its token lives in
+  that host's ~/.ray/auth_token: a follower on another host has neither."""
+  mode = os.environ.get("RAY_AUTH_MODE", "")
+  token = ""
+  if mode == "token":
+    from ray._raylet import AuthenticationTokenLoader
+    token = AuthenticationTokenLoader.instance().get_raw_token()
+  return {"auth": mode, "token": token}
+
+
+def _join_ray(cmd: dict) -> None:
+  """A follower joins the leader's Ray by address with the leader's auth. Ray reads its auth mode
+  once per process, so after setting it the config is re-read (what Ray's own token set-up does);
+  without that the join fails with InvalidAuthToken."""
+  import ray
+  if cmd["auth"]:
+    os.environ["RAY_AUTH_MODE"] = cmd["auth"]
+    if cmd["token"]:
+      os.environ["RAY_AUTH_TOKEN"] = cmd["token"]
+    from ray._raylet import AuthenticationTokenLoader, Config
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+  ray.init(address=cmd["ray"], namespace=cmd["namespace"], log_to_driver=False,
+           configure_logging=False)
 
 
 class _Mailbox:

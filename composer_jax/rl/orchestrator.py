@@ -361,7 +361,9 @@ class Orchestrator:
     self.actor_cls = ray.remote(max_restarts=0, concurrency_groups={"weights": 1, "rollouts": 1},
                                 **self.resources)(worker_cls or RolloutWorker)
     self.runtime_env = _runtime_env(cfg)
-    self.publisher = Publisher(rl.full_sync_every, rl.weight_delta, put=ray.put, grids=_grids(cfg))
+    # rl.broadcast_from=shards: the learner processes publish their own pieces (``send``).
+    self.publisher = (Publisher(rl.full_sync_every, rl.weight_delta, put=ray.put, grids=_grids(cfg))
+                      if rl.broadcast_from == "leader" else None)
     self.chain: list = []  # the newest broadcast chain, for every worker (and every one spawned later)
     # rl.worker_cpus: on a Ray of our own, the learner (this process) and the workers on their own cores.
     self.cpus = split(rl.worker_cpus) if self.own_ray and not rl.ray_address else None

@@ -81,11 +81,6 @@ def check(cfg: Config) -> None:
   if rl.broadcast_from == "shards" and not rl.async_:
     raise ConfigError("rl.broadcast_from=shards is where the Ray workers' weights come from, but "
                       "rl.async=false broadcasts nothing: set rl.async=true or rl.broadcast_from=leader")
-  if rl.broadcast_from == "shards" and cfg.mesh.distributed:
-    # The followers' join of the leader's Ray fails under Ray 2.60's token auth (not solved yet).
-    raise ConfigError("rl.broadcast_from=shards works on a one-process learner only for now (a "
-                      "follower cannot yet join the leader's Ray): set rl.broadcast_from=leader with "
-                      "mesh.distributed=true")
   if rl.learner_sampler == "mesh" and cfg.mesh.context != 1:
     raise ConfigError(f"rl.learner_sampler=mesh samples on the trainer's mesh, whose context axis is "
                       f"{cfg.mesh.context}: decoding feeds one token a row, which context parallelism "

@@ -87,10 +87,21 @@ def test_async_rl_on_two_processes_runs_broadcasts_and_resumes(world):
   with open(out / "checkpoints" / "3" / "data" / "metadata") as f:
     data = json.load(f)
   assert data["version"] == 3 and "ledger" in data
-  for rc, text in _launch(out, [*over, "rl.steps=4"], "--resume"):
+  # Resumed with the broadcast from both processes' own shards (rl.broadcast_from=shards: the
+  # follower joins the leader's Ray, puts its pieces and posts them; nothing is gathered) and the
+  # learner's sampler on the mesh of both: the worker rebuilds the policy from the two processes'
+  # pieces, so its log-probs agree with the trainer's as closely as those of the gathered copy.
+  resumed = [*over, "rl.steps=5", "rl.broadcast_from=shards", "rl.learner_sampler=mesh"]
+  for rc, text in _launch(out, resumed, "--resume"):
     assert rc == 0, text[-3000:]
     assert "resumed from" in text
-  assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
+  recs = _jsonl(out / "metrics.jsonl")
+  assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+  # The new worker's weights came from the pieces (after a resume nothing else was ever put).
+  assert all(r["staleness_max"] <= 1 for r in recs[3:]) and recs[3]["full_copies"] >= 1
+  assert all(r["broadcast_bytes"] > 0 for r in recs[3:])
+  gathered = max(r["train_infer_logprob_abs_diff"] for r in recs[:3])
+  assert max(r["train_infer_logprob_abs_diff"] for r in recs[3:]) <= 2 * gathered + 0.05
 
 
 @pytest.mark.slow

@@ -42,8 +42,6 @@ LAYOUT = ["model.vocab_size=96", "rl.decode_batch=4", "rl.worker_devices=4",
      r"spans 2 devices but rl.worker_devices=2 x rl.worker_hosts=2 = 4"),
     (["rl.broadcast_from=shards", "rl.async=false"],
      "rl.broadcast_from=shards is where the Ray workers' weights come from, but rl.async=false"),
-    (["rl.broadcast_from=shards", "mesh.distributed=true"],
-     "rl.broadcast_from=shards works on a one-process learner only for now"),
     # Every parameter is laid out on the abstract model: 2048 ids do not split over tensor=3.
     (["rl.worker_devices=3"], r"rl.worker_mesh .*'tensor': 3.*dim 'vocab' of size 2048 is not divisible"),
 ])
