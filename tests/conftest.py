@@ -5,7 +5,14 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+  _flags += " --xla_force_host_platform_device_count=8"
+# The test models are tiny, so XLA's CPU compile dominates the run: LLVM's optimization passes cost
+# a third of it and buy nothing at these sizes (measured: 189 s -> 125 s on three scan tests, and
+# the sampler's decode loops faster too). The HLO, its fusions and the float semantics are unchanged
+# (LLVM reorders no float ops without fast-math).
+if "xla_backend_optimization_level" not in _flags:
+  _flags += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax
 

@@ -55,8 +55,11 @@ def test_params_created_on_their_shardings():
   w = sharded["layers"][1]["mlp"]["w_gate"][...]
   assert w.sharding.spec == jax.sharding.PartitionSpec("expert", "fsdp", "tensor")
   assert w.addressable_shards[0].data.shape == (8, 64, 32)
+  # The same draws: equal to the last bits or so (another RNG stream would differ everywhere). Bit
+  # equality holds under XLA's default CPU compile; the tests compile at LLVM -O0 (conftest.py), where
+  # the two programs' float ops (erfinv of the truncated normal) may contract differently.
   for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(plain)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0)
 
 
 def test_embedding_lookup_moves_the_table_not_the_batch():

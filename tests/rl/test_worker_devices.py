@@ -154,6 +154,7 @@ def test_a_follower_engine_replaying_the_leaders_calls_holds_the_same_cache():
   assert np.asarray(leader._bufs[0][0]).any()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sandbox.bwrap_available(), reason="bubblewrap cannot run here")
 def test_sync_rl_samples_on_the_trainers_mesh(world, tmp_path):
   """rl.learner_sampler=mesh: the learner's own engine decodes with the trainer's arrays themselves

@@ -81,7 +81,7 @@ def test_grad_accumulation_equals_one_batch_and_bias_update(setup):
   # clip to global norm 1, then p - lr * (g / (|g| + eps) + wd * p) (decay on matrices only).
   from composer_jax.train.step import lm_loss_fn
   oc = cfg.optim
-  g = jax.grad(lambda p: lm_loss_fn(nnx.merge(graphdef, p, rest), batch, cfg)[0])(params)
+  g = jax.jit(jax.grad(lambda p: lm_loss_fn(nnx.merge(graphdef, p, rest), batch, cfg)[0]))(params)
   g = [np.asarray(x, np.float64) for x in jax.tree.leaves(g)]
   norm = math.sqrt(sum((x ** 2).sum() for x in g))
   scale = min(1.0, oc.clip_norm / norm)
