@@ -75,7 +75,7 @@ def test_rope_yarn(setup, factor):
 
 
 def test_yarn_softmax_scale(setup):
-  cfg, _, _ = setup
+  _cfg, _, _ = setup
   # K2 fields: factor 32, mscale_all_dim 1 -> (0.1 ln 32 + 1)^2 / sqrt(192)
   k2 = load_config("configs/kimi-k2.yaml").model
   assert layers.softmax_scale(k2) == pytest.approx((0.1 * np.log(32) + 1) ** 2 / np.sqrt(192), rel=1e-12)
@@ -102,7 +102,7 @@ def test_router_replay_uses_given_ids(setup):
   rs = np.random.RandomState(4)
   logits = jnp.asarray(rs.randn(20, 8), jnp.float32)
   forced = jnp.asarray(rs.randint(0, 8, (20, 3)), jnp.int32)
-  ids, w, scores = routing.route(logits, None, cfg, replay_ids=forced)
+  ids, w, _scores = routing.route(logits, None, cfg, replay_ids=forced)
   np.testing.assert_array_equal(ids, forced)
   s = np.asarray(jax.nn.sigmoid(logits))
   picked = np.take_along_axis(s, np.asarray(forced), -1)
@@ -166,7 +166,7 @@ def test_full_model_and_mtp(setup):
 
 
 def test_sorted_dispatch_is_dropless_under_skew(setup):
-  cfg, model, _ = setup
+  _cfg, model, _ = setup
   layer = model.layers[1].mlp
   rs = np.random.RandomState(9)
   x = jnp.asarray(rs.randn(40, 32), jnp.float32)
@@ -199,7 +199,7 @@ def test_decode_matches_forward():
 
 
 def test_replay_reproduces_logits_and_routing():
-  cfg, model, _ = make()
+  _cfg, model, _ = make()
   tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 12), 0, 97)
   first = model(tokens, return_routing=True)
   assert first.routed_experts.shape == (2, 2, 12, 3)
@@ -219,12 +219,12 @@ def test_remat_and_bf16_policies_give_same_gradients():
     return nnx.grad(f)(m)
 
   g0 = grads(model)
-  cfg_r, model_r, _ = make(["model.remat=full"])
+  _cfg_r, model_r, _ = make(["model.remat=full"])
   g1 = grads(model_r)
   for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
   # bf16 compute (f32 params): routing may flip for a few tokens, so compare the loss (2 %).
-  cfg_b, model_b, _ = make(["model.compute_dtype=bfloat16"])
+  _cfg_b, model_b, _ = make(["model.compute_dtype=bfloat16"])
   fwd = nnx.jit(lambda m: (m(tokens).logits, lm_loss(m(tokens), tokens, None, cfg.model)[0]))
   logits_b, loss_b = fwd(model_b)
   assert logits_b.dtype == jnp.bfloat16
