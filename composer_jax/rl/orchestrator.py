@@ -123,6 +123,10 @@ class RolloutWorker:
     self.busy_s = 0.0
     self.busy = False
     self.swaps = 0
+    self.scratch = None
+    if member == 0:  # the episodes' files, in one folder a replacement sweeps if we are killed
+      from composer_jax.env import scratch
+      self.scratch, _ = scratch.claim()
     if self.cfg.rl.worker_hosts == 1:
       self._setup()
     # else: nothing may touch a JAX backend before ``join`` has initialized jax.distributed
@@ -190,7 +194,7 @@ class RolloutWorker:
   def info(self) -> dict:
     rx = getattr(self, "rx", None)  # a gang member before ``join`` has none yet
     return {"pid": os.getpid(), "busy": self.busy, "version": rx.version if rx else -1,
-            "fetched_bytes": rx.fetched_bytes if rx else 0}
+            "fetched_bytes": rx.fetched_bytes if rx else 0, "scratch": self.scratch}
 
   def devices(self) -> int:
     """Devices the sampler's weights are spread over (0 before the first weights arrive)."""

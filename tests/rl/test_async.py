@@ -228,14 +228,15 @@ def test_async_run_survives_a_killed_worker(world):
   try:
     run.top_up()
     deadline = time.time() + 240
-    while True:  # wait until the worker is inside an episode, then kill it
+    while True:  # wait until the worker is inside an episode (its workspace made), then kill it
       info = next(iter(run.orch.worker_info().values()))
-      if info["busy"] or time.time() > deadline:
+      if (info["busy"] and os.listdir(info["scratch"])) or time.time() > deadline:
         break
       time.sleep(0.2)
-    assert info["busy"], "the worker never started its unit"
+    assert info["busy"] and os.listdir(info["scratch"]), "the worker never started an episode"
     os.kill(info["pid"], signal.SIGKILL)
     last = run.run()
+    assert not os.path.exists(info["scratch"])  # its replacement swept them (env/scratch.py)
   finally:
     run.orch.shutdown()
   recs = _jsonl(out / "metrics.jsonl")

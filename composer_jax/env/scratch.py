@@ -1,0 +1,58 @@
+"""A process's scratch folder for episode workspaces, swept once the process that made it is gone.
+
+An episode removes its workspace when it closes, but a rollout worker killed mid-episode (SIGKILL,
+the OOM killer, a lost node) cannot. So a worker keeps all its temporary files under one folder
+named by its host and pid, and a worker starting on the same host removes the folders of pids that
+no longer run: the replacement of a dead worker cleans up after it, and a new run after a killed one.
+The host is in the name because /tmp can be shared between containers, whose pids differ.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+
+PREFIX = "cj-worker-"
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's process
+    return True
+  return True
+
+
+def _host() -> str:
+  return socket.gethostname().replace("-", "_").replace(os.sep, "_")
+
+
+def sweep(root: str | None = None) -> list[str]:
+  """Remove this host's scratch folders under ``root`` whose process is gone; returns their paths."""
+  root = root or tempfile.gettempdir()
+  mine = f"{PREFIX}{_host()}-"
+  gone = []
+  for name in sorted(os.listdir(root)):
+    if not name.startswith(mine):
+      continue
+    pid = name[len(mine):].split("-", 1)[0]
+    if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+      continue
+    path = os.path.join(root, name)
+    shutil.rmtree(path, ignore_errors=True)
+    gone.append(path)
+  return gone
+
+
+def claim(root: str | None = None) -> tuple[str, list[str]]:
+  """Sweep, then make a scratch folder for this process the default for ``tempfile`` (so every
+  episode's workspace and every sandbox call's output file land in it). Returns (folder, swept)."""
+  root = root or tempfile.gettempdir()
+  swept = sweep(root)
+  path = tempfile.mkdtemp(prefix=f"{PREFIX}{_host()}-{os.getpid()}-", dir=root)
+  tempfile.tempdir = path
+  return path, swept
