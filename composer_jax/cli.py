@@ -95,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
   compile_cache_env(os.environ)
   parser = build_parser()
   args = parser.parse_args(argv)
+  from composer_jax.env import scratch
   try:
-    rc = args.func(args)
+    with scratch.scope():  # its episodes' files, swept by the next command if this one is killed
+      rc = args.func(args)
   except ConfigError as e:
     print(f"composer-jax: error: {e}", file=sys.stderr)
     return 2

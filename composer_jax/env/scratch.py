@@ -1,20 +1,24 @@
 """A process's scratch folder for episode workspaces, swept once the process that made it is gone.
 
-An episode removes its workspace when it closes, but a rollout worker killed mid-episode (SIGKILL,
-the OOM killer, a lost node) cannot. So a worker keeps all its temporary files under one folder
-named by its host and pid, and a worker starting on the same host removes the folders of pids that
-no longer run: the replacement of a dead worker cleans up after it, and a new run after a killed one.
-The host is in the name because /tmp can be shared between containers, whose pids differ.
+An episode removes its workspace when it closes, but a process killed mid-episode (SIGKILL, the OOM
+killer, a lost node) cannot: a rollout worker, or the driver of a run whose RL is synchronous or
+that is evaluating. So every `composer-jax` command (``scope``) and every rollout worker (``claim``)
+keeps all its temporary files under one folder named by its host and pid, and the next one to start
+on the same host removes the folders of pids that no longer run: the replacement of a dead worker
+cleans up after it, and a `--resume` after a killed run. The host is in the name because /tmp can be
+shared between containers, whose pids differ.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import tempfile
+from collections.abc import Iterator
 
-PREFIX = "cj-worker-"
+PREFIX = "cj-scratch-"
 
 
 def _alive(pid: int) -> bool:
@@ -56,3 +60,16 @@ def claim(root: str | None = None) -> tuple[str, list[str]]:
   path = tempfile.mkdtemp(prefix=f"{PREFIX}{_host()}-{os.getpid()}-", dir=root)
   tempfile.tempdir = path
   return path, swept
+
+
+@contextlib.contextmanager
+def scope(root: str | None = None) -> Iterator[str]:
+  """``claim`` for the length of a block: afterwards ``tempfile``'s default is what it was and the
+  folder is gone. The command line runs every command in one (``composer_jax.cli.main``)."""
+  before = tempfile.tempdir
+  path, _ = claim(root)
+  try:
+    yield path
+  finally:
+    tempfile.tempdir = before
+    shutil.rmtree(path, ignore_errors=True)

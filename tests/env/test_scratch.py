@@ -1,9 +1,11 @@
-"""Scratch folders of rollout workers (env/scratch.py): a dead worker's folder is swept by the next
-worker on its host; a live process's folder, another host's and anything not ours are left alone."""
+"""Scratch folders (env/scratch.py): a dead process's folder is swept by the next rollout worker or
+`composer-jax` command on its host; a live process's folder, another host's and anything not ours are
+left alone; a command's folder is gone when it returns."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,3 +44,50 @@ def test_claim_sweeps_only_this_hosts_dead_workers(tmp_path, monkeypatch):
     parent.kill()
     parent.wait()
   assert scratch.sweep(str(tmp_path)) == [str(live)]  # once its process is gone
+
+
+def test_a_scope_restores_tempfile_and_removes_its_folder(tmp_path, monkeypatch):
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  with scratch.scope() as path:
+    assert os.path.dirname(path) == str(tmp_path) and tempfile.gettempdir() == path
+    ws = tempfile.mkdtemp(prefix="cj-ep-")
+    open(os.path.join(ws, "app.py"), "w").close()
+  assert tempfile.tempdir == str(tmp_path) and not os.path.exists(path)
+
+
+def test_every_command_runs_in_one_and_a_killed_ones_is_swept(tmp_path, monkeypatch):
+  """`composer-jax` runs each command in a scope (so the episodes of sync RL and of evaluation land
+  in it); a command killed mid-episode leaves its folder, and the next process to claim sweeps it."""
+  from composer_jax import cli
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  seen = []
+
+  def probe(args):
+    seen.append(tempfile.mkdtemp(prefix="cj-ep-"))
+    return 0
+
+  build = cli.build_parser
+
+  def parser():
+    p = build()
+    sub = next(a for a in p._actions if a.choices and "rl" in a.choices)
+    sub.add_parser("probe").set_defaults(func=probe)
+    return p
+
+  monkeypatch.setattr(cli, "build_parser", parser)
+  assert cli.main(["probe"]) == 0
+  folder = os.path.dirname(seen[0])
+  assert os.path.basename(folder).startswith(f"{scratch.PREFIX}{scratch._host()}-{os.getpid()}-")
+  assert not os.path.exists(folder) and tempfile.tempdir == str(tmp_path)
+  # kill -9 mid-"episode": the folder outlives the process until a claim on this host sweeps it.
+  code = ("import sys, tempfile, time\nfrom composer_jax.env import scratch\n"
+          "with scratch.scope(sys.argv[1]) as p:\n"
+          "  ws = tempfile.mkdtemp(prefix='cj-ep-'); print(ws, flush=True); time.sleep(60)\n")
+  proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+  ws = proc.stdout.readline().strip()
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait()
+  proc.stdout.close()
+  assert os.path.isdir(ws)
+  path, swept = scratch.claim(str(tmp_path))
+  assert swept == [os.path.dirname(ws)] and not os.path.exists(ws) and os.path.isdir(path)
