@@ -20,6 +20,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -106,6 +107,7 @@ def check(seq: int, batch: int, mesh_axes: dict, *overrides):
     assert err <= 1e-4 * scale, (jax.tree_util.keystr(path), err, scale)
 
 
+@pytest.mark.slow  # 37 s on 2 cores; test_context.py and the 2048-token layout below stay in the default run
 def test_context8_at_8k():
   """8192 tokens, one row of three documents, 1024 tokens (two zigzag half-chunks of 512) per
   device."""

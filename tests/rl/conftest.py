@@ -27,24 +27,28 @@ DYNAMIC = ["rl.dynamic_sampling=true", "rl.dynamic_max_rounds=2", "rl.penalty_ma
 
 
 @pytest.fixture(scope="session")
-def world(tmp_path_factory):
-  """An init run (random weights + a 640-token BPE), synthetic train tasks."""
+def world(tmp_path_factory, worker_id):
+  """A folder of this test process's own, and an init run (random weights + a 640-token BPE) and
+  synthetic train tasks, both read-only: built once and shared by the xdist workers (its train step
+  compile was ~25 s of each worker's time)."""
+  from filelock import FileLock
+
   from composer_jax.env import synthetic
   from composer_jax.train.loop import run
-  root = tmp_path_factory.mktemp("rl")
-  corpus = root / "corpus"
-  corpus.mkdir()
-  src = [os.path.join(os.path.dirname(synthetic.__file__), f) for f in ("templates.py", "__init__.py")]
-  for i, p in enumerate(src):
-    (corpus / f"{i}.txt").write_text(Path(p).read_text())
-  init = root / "init"
-  cfg = load_config(None, MODEL + ["train.steps=1", "data.seq_len=64", "data.batch_size=2",
-                                   f"data.sources=[{corpus}]", "data.tokenizer_train_mb=1",
-                                   "data.heldout_fraction=0", "checkpoint.async_save=false",
-                                   "train.progress=false"])
-  run(cfg, str(init))
-  tasks = root / "tasks"
-  synthetic.generate(4, seed=5, out=str(tasks), split="train")
-  return root, str(init), str(tasks)
-
-
+  base = tmp_path_factory.getbasetemp()
+  shared = (base.parent if worker_id != "master" else base) / "rl-world"
+  with FileLock(f"{shared}.lock"):
+    if not (shared / "done").exists():
+      corpus = shared / "corpus"
+      corpus.mkdir(parents=True, exist_ok=True)
+      src = [os.path.join(os.path.dirname(synthetic.__file__), f) for f in ("templates.py", "__init__.py")]
+      for i, p in enumerate(src):
+        (corpus / f"{i}.txt").write_text(Path(p).read_text())
+      cfg = load_config(None, MODEL + ["train.steps=1", "data.seq_len=64", "data.batch_size=2",
+                                       f"data.sources=[{corpus}]", "data.tokenizer_train_mb=1",
+                                       "data.heldout_fraction=0", "checkpoint.async_save=false",
+                                       "train.progress=false"])
+      run(cfg, str(shared / "init"))
+      synthetic.generate(4, seed=5, out=str(shared / "tasks"), split="train")
+      (shared / "done").touch()
+  return tmp_path_factory.mktemp("rl"), str(shared / "init"), str(shared / "tasks")

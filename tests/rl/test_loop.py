@@ -90,7 +90,9 @@ def _sampled_batch(cfg, graphdef, params, rest, tok, tasks):
   return L.pack_rows(rows, 2, length, m.n_moe_layers, m.n_experts_per_tok, tok.pad_id)
 
 
-@pytest.mark.parametrize("variant", [[], ["rl.loss_agg=seq_sum", "rl.is_level=sequence"]])
+# The sequence-level variant is slow-marked (30 s on 2 cores); packing is checked by the first.
+@pytest.mark.parametrize("variant", [[], pytest.param(["rl.loss_agg=seq_sum", "rl.is_level=sequence"],
+                                                      marks=pytest.mark.slow)])
 def test_packed_learner_rows_give_the_one_row_each_loss_and_gradient(world, variant):
   """Two sampled episodes with advantages +1 and -0.5, one a row (padded) and packed into one row of
   max_context: the RL loss (model forward with router replay, segment-masked attention, restarted
@@ -239,7 +241,8 @@ def test_dynamic_sampling_draws_more_groups_and_skips_a_step_without_signal(worl
   run.ck.close()
 
 
-@pytest.mark.parametrize("accum", [1, 2])
+# Micro-batched (accum 2) is slow-marked (35 s on 2 cores); the epochs logic is checked at accum 1.
+@pytest.mark.parametrize("accum", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_epochs_reuse_a_steps_rollouts_for_more_updates(world, accum):
   """rl.epochs=2: two optimizer updates per step on the same rollouts, the schedule spans them all,
   and the second pass is off the sampling weights (its PPO ratio departs from 1). Its old_logp are
