@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 
 PREFIX = "cj-scratch-"
@@ -28,7 +29,11 @@ def _alive(pid: int) -> bool:
     return False
   except PermissionError:  # another user's process
     return True
-  return True
+  try:  # a zombie (killed, not yet reaped: a container's pid 1 may never reap it) holds no files
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except (OSError, IndexError):
+    return True
 
 
 def _host() -> str:
@@ -49,6 +54,24 @@ def sweep(root: str | None = None) -> list[str]:
     path = os.path.join(root, name)
     shutil.rmtree(path, ignore_errors=True)
     gone.append(path)
+  return gone
+
+
+def reclaim(folders: dict[int, str], timeout: float = 10.0) -> list[str]:
+  """Remove the scratch folders of processes this one has just killed (pid -> folder), each once
+  its pid is gone: a run that ends while its rollout workers are mid-episode leaves nothing behind.
+  Only this host's folders named by that pid are touched; one whose process outlives ``timeout``
+  seconds is left to the next ``sweep``. Returns the paths removed."""
+  deadline = time.monotonic() + timeout
+  gone = []
+  for pid, path in folders.items():
+    if not os.path.basename(path).startswith(f"{PREFIX}{_host()}-{pid}-"):
+      continue  # another host's worker (rl.ray_address), or not a scratch folder at all
+    while _alive(pid) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    if not _alive(pid) and os.path.isdir(path) and not os.path.islink(path):
+      shutil.rmtree(path, ignore_errors=True)
+      gone.append(path)
   return gone
 
 

@@ -514,11 +514,25 @@ class Orchestrator:
 
   def shutdown(self) -> None:
     import ray
+
+    from composer_jax.env import scratch
+    # The workers are killed mid-unit, so each one's episode workspaces are removed here once it is
+    # gone (a worker on another host leaves its folder to the next sweep there).
+    asked = [w.info.options(concurrency_group="weights").remote() for w in self.workers.values()]
+    folders = {}
+    for ref in asked:
+      try:
+        info = ray.get(ref, timeout=10)
+      except (ray.exceptions.RayError, TimeoutError):  # dead or hung: the next sweep on its host
+        continue
+      if info.get("scratch"):
+        folders[info["pid"]] = info["scratch"]
     for wid in list(self.workers):
       self._kill(wid)
     self.workers, self.inflight = {}, {}
     if self.own_ray:
       ray.shutdown()
+    scratch.reclaim(folders)
     if self.driver_cpus:  # the stages after RL (evaluation) get every core back
       pin_process(self.driver_cpus)
       self.driver_cpus = None

@@ -91,3 +91,31 @@ def test_every_command_runs_in_one_and_a_killed_ones_is_swept(tmp_path, monkeypa
   assert os.path.isdir(ws)
   path, swept = scratch.claim(str(tmp_path))
   assert swept == [os.path.dirname(ws)] and not os.path.exists(ws) and os.path.isdir(path)
+
+
+def test_reclaim_removes_a_killed_processs_folder_and_nothing_else(tmp_path):
+  """What a run's shutdown does with the workers it killed (``Orchestrator.shutdown``): each one's
+  folder goes once its pid is gone, a zombie counting as gone; a process still alive after the
+  timeout, a folder named for another pid or host, and a symlink are left alone."""
+  host = scratch._host()
+  killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    mine = tmp_path / f"{scratch.PREFIX}{host}-{killed.pid}-a"
+    kept = tmp_path / f"{scratch.PREFIX}{host}-{alive.pid}-b"
+    other_host = tmp_path / f"{scratch.PREFIX}elsewhere-{killed.pid}-c"
+    wrong_pid = tmp_path / f"{scratch.PREFIX}{host}-{alive.pid}-d"
+    for d in (mine, kept, other_host, wrong_pid):
+      (d / "ws").mkdir(parents=True)
+    link = tmp_path / f"{scratch.PREFIX}{host}-{killed.pid}-e"
+    link.symlink_to(other_host)
+    killed.kill()  # not reaped: a zombie until wait(), as an orphan under a pid 1 that never reaps
+    gone = scratch.reclaim({killed.pid: str(mine), alive.pid: str(kept)}, timeout=0.5)
+    assert gone == [str(mine)] and not mine.exists() and kept.exists()
+    assert scratch.reclaim({killed.pid: str(other_host)}, timeout=0.5) == [] and other_host.exists()
+    assert scratch.reclaim({killed.pid: str(wrong_pid)}, timeout=0.5) == [] and wrong_pid.exists()
+    assert scratch.reclaim({killed.pid: str(link)}, timeout=0.5) == [] and (other_host / "ws").exists()
+  finally:
+    for p in (killed, alive):
+      p.kill()
+      p.wait()

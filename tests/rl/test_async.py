@@ -4,6 +4,7 @@ run finishes with every task trained exactly once)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -109,20 +110,29 @@ class SleepWorker:
     return {"groups": {gid: [(task, self.version)] for gid, task in unit}, "worker": self.id}
 
 
-def test_orchestrator_requeues_and_replaces_a_killed_worker(tmp_path):
-  """Short form of the fault test (runs by default): a worker SIGKILLed mid-unit loses every unit it
-  held; they come back as lost, a replacement gets the current weights, and re-submitted units
-  finish: each group is played exactly once."""
+@contextlib.contextmanager
+def _orchestrator(worker_cls, workers: int = 1, version: int = 3, log=lambda m: None):
+  """A local Ray of 2 CPUs and an Orchestrator of stand-in workers holding weights ``version``."""
   ray = pytest.importorskip("ray")
   import jax.numpy as jnp
 
   from composer_jax.rl.orchestrator import Orchestrator
-  cfg = load_config(None, ["rl.num_workers=1", "rl.async=true"])
+  cfg = load_config(None, [f"rl.num_workers={workers}", "rl.async=true"])
   ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, num_cpus=2,
            runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
   try:
-    orch = Orchestrator(cfg, "", log=lambda m: None, worker_cls=SleepWorker)
-    orch.broadcast({"w": jnp.ones(4)}, 3)
+    orch = Orchestrator(cfg, "", log=log, worker_cls=worker_cls)
+    orch.broadcast({"w": jnp.ones(4)}, version)
+    yield orch
+  finally:
+    ray.shutdown()
+
+
+def test_orchestrator_requeues_and_replaces_a_killed_worker(tmp_path):
+  """Short form of the fault test (runs by default): a worker SIGKILLed mid-unit loses every unit it
+  held; they come back as lost, a replacement gets the current weights, and re-submitted units
+  finish: each group is played exactly once."""
+  with _orchestrator(SleepWorker) as orch:
     led = Ledger(TaskStream(5, seed=0))
     for _ in range(3):
       orch.submit(led.take(2))
@@ -148,8 +158,45 @@ def test_orchestrator_requeues_and_replaces_a_killed_worker(tmp_path):
     assert sorted(t for t, _ in played.values()) == sorted(want) and led.outstanding() == 0
     assert all(v == 3 for _, v in played.values())  # the replacement got the broadcast weights
     orch.shutdown()
-  finally:
-    ray.shutdown()
+
+
+class ScratchWorker(SleepWorker):
+  """Claims a scratch folder as ``RolloutWorker`` does and leaves an episode workspace in it while a
+  unit runs (and never finishes one)."""
+
+  def __init__(self, *a):
+    super().__init__(*a)
+    import tempfile
+
+    from composer_jax.env import scratch
+    self.scratch, _ = scratch.claim()
+    self.tempfile = tempfile
+
+  def info(self):
+    return {**super().info(), "scratch": self.scratch}
+
+  def run(self, unit):
+    self.busy = True
+    self.tempfile.mkdtemp(prefix="cj-ep-")
+    time.sleep(120)
+
+
+def test_shutdown_mid_unit_removes_the_workers_episode_folders():
+  """A run ends with its workers mid-unit (the stage is over; their episodes are not needed):
+  ``shutdown`` kills them and removes their scratch folders, workspaces included, once they are gone."""
+  with _orchestrator(ScratchWorker, workers=2) as orch:
+    led = Ledger(TaskStream(4, seed=0))
+    for _ in range(2):
+      orch.submit(led.take(1))
+    deadline = time.time() + 60
+    while time.time() < deadline:
+      infos = list(orch.worker_info().values())
+      if all(i["busy"] and os.listdir(i["scratch"]) for i in infos):
+        break
+      time.sleep(0.05)
+    assert len(infos) == 2 and all(os.listdir(i["scratch"]) for i in infos)
+    orch.shutdown()
+    assert not any(os.path.exists(i["scratch"]) for i in infos)
 
 
 class PoisonWorker(SleepWorker):
@@ -165,17 +212,10 @@ def test_a_unit_that_raises_is_requeued_on_a_new_worker_and_a_repeating_error_st
   """A unit whose worker raised (not died) comes back lost; that worker is killed and replaced (its
   engine may hold the unit's slots) and the run goes on. The fourth raising unit is raised to the
   caller: an error that repeats is a bug, and re-queuing it forever would burn the run."""
-  ray = pytest.importorskip("ray")
-  import jax.numpy as jnp
-
-  from composer_jax.rl.orchestrator import MAX_UNIT_ERRORS, Orchestrator
-  cfg = load_config(None, ["rl.num_workers=1", "rl.async=true"])
-  ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, num_cpus=2,
-           runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
-  try:
-    logs = []
-    orch = Orchestrator(cfg, "", log=logs.append, worker_cls=PoisonWorker)
-    orch.broadcast({"w": jnp.ones(4)}, 3)
+  from composer_jax.rl.orchestrator import MAX_UNIT_ERRORS
+  logs = []
+  with _orchestrator(PoisonWorker, log=logs.append) as orch:
+    import ray
 
     def drain():
       got, lost = [], []
@@ -201,8 +241,6 @@ def test_a_unit_that_raises_is_requeued_on_a_new_worker_and_a_repeating_error_st
     with pytest.raises(ray.exceptions.RayTaskError, match="recursion depth mismatch"):
       drain()
     orch.shutdown()
-  finally:
-    ray.shutdown()
 
 
 requires_bwrap = pytest.mark.skipif(not sandbox.bwrap_available(),
