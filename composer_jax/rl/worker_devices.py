@@ -131,7 +131,8 @@ def actor_env(cfg: Config) -> dict:
   # Fake host devices only where the worker asks for several CPU devices; XLA_FLAGS is set either
   # way so that the learner's own flags (e.g. a test's 8 fake devices) do not leak into the actor.
   n = rl.worker_devices if rl.worker_platform == "cpu" and rl.worker_devices > 1 else 0
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}" if n else ""
+  flags = ([f"--xla_force_host_platform_device_count={n}"] if n else []) + rl.worker_xla_flags.split()
+  env["XLA_FLAGS"] = " ".join(flags)
   return env
 
 

@@ -65,6 +65,10 @@ def test_actor_resources_and_environment():
   assert WD.actor_resources(tpu) == {"num_cpus": 1, "resources": {"TPU": 4}}
   fake = load_config("configs/tiny.yaml", ["rl.worker_devices=2"])
   assert WD.actor_env(fake)["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+  own = load_config("configs/tiny.yaml", ["rl.worker_devices=2",
+                                          "rl.worker_xla_flags=--xla_cpu_multi_thread_eigen=false"])
+  assert WD.actor_env(own)["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=2 "
+                                            "--xla_cpu_multi_thread_eigen=false")
   with pytest.raises(ConfigError, match="rl.worker_devices=16, but this rollout worker sees 8 cpu"):
     WD.sampler_mesh(load_config("configs/tiny.yaml", ["rl.worker_devices=16", "rl.worker_mesh={expert: 16}"]))
 
