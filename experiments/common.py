@@ -61,6 +61,37 @@ def matmul_peak_flops(n: int = 2048, dtype: str = "float32", iters: int = 5) -> 
   return 2.0 * n ** 3 / sec
 
 
+class CpuMeter:
+  """Machine-wide CPU use over a ``with`` block, every process counted (Ray's workers, the sandboxes,
+  XLA's threads): ``busy_core_s`` (core-seconds not idle), ``wall_s``, and ``busy_frac`` = busy /
+  (wall x cores); ``own_core_s``, the part spent by this process. Its complement is the most that overlapping more work could still use: a loop
+  whose busy fraction is U cannot run more than 1 / U times faster on these cores doing the same
+  CPU work."""
+
+  def __enter__(self):
+    import psutil
+    self._t0, self._c0, self._own0 = time.perf_counter(), psutil.cpu_times(), self._own()
+    return self
+
+  @staticmethod
+  def _own() -> float:  # this process's threads and its reaped children (e.g. the sync sandboxes)
+    import psutil
+    t = psutil.Process().cpu_times()
+    return t.user + t.system + t.children_user + t.children_system
+
+  def __exit__(self, *exc):
+    import psutil
+    c1, c0 = psutil.cpu_times(), self._c0
+    self.wall_s = time.perf_counter() - self._t0
+    d = lambda f: getattr(c1, f, 0.0) - getattr(c0, f, 0.0)  # guest time is already in user
+    self.busy_core_s = sum(d(f) for f in ("user", "nice", "system", "irq", "softirq"))
+    cores = self.wall_s * (os.cpu_count() or 1)
+    self.busy_frac = self.busy_core_s / max(cores, 1e-9)
+    self.steal_frac = d("steal") / max(cores, 1e-9)  # the hypervisor's: cores we asked for, not had
+    self.own_core_s = self._own() - self._own0
+    return False
+
+
 def write_result(name: str, data: dict) -> str:
   os.makedirs(RESULTS_DIR, exist_ok=True)
   out = {

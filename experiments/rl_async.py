@@ -2,12 +2,18 @@
 episodes of synthetic tasks on the tests' tiny MoE), after one warm-up step that compiles everything,
 run by the synchronous loop and by the asynchronous loop (Ray workers, rl.max_staleness). Reports
 async / sync speed (sync wall / async wall), the learner's idle fraction (waiting for rollouts), the
-rollout workers' idle fraction and rollout tokens/s.
+rollout workers' idle fraction and rollout tokens/s, and what bounds the ratio on this machine: the
+share of all cores busy during each loop (every process: Ray workers, sandboxes, XLA threads), the
+ceiling 1 / (sync's share) that overlap cannot pass while the CPU work stays the same, and async's CPU
+work per step against sync's.
 
-  python experiments/rl_async.py [--steps 4] [--workers 1] [--staleness 1] [--worker-cpus 1] [--note "..."]
+  python experiments/rl_async.py [--steps 4] [--workers 1] [--staleness 1] [--worker-cpus 1]
+      [--worker-xla-flags=--xla_cpu_multi_thread_eigen=false] [--note "..."]
 
 ``--worker-cpus N`` times the async loop a second time with its workers pinned to N cores and the
-learner to the rest (``rl.worker_cpus``), against the same sync run, and writes ``..._pinned.json``.
+learner to the rest (``rl.worker_cpus``), against the same sync run, and writes ``..._pinned.json``;
+``--worker-xla-flags`` gives the async run's workers XLA flags of their own (``rl.worker_xla_flags``)
+and writes ``..._worker_xla.json``.
 
 With ``--run DIR`` (a `composer-jax run` directory) it times the main job's RL instead: DIR's SFT
 policy, DIR's RL tasks and DIR's config with its ``run.rl_overrides``, but without dynamic sampling
@@ -27,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.common import write_result
+from experiments.common import CpuMeter, write_result
 
 MODEL = ["model.vocab_size=640", "model.d_model=48", "model.n_layers=4", "model.n_dense_layers=1",
          "model.dense_ffn_dim=96", "model.n_heads=2", "model.q_lora_rank=0", "model.kv_lora_rank=16",
@@ -64,15 +70,19 @@ def cfg_episodes(make) -> int:
   return rl.tasks_per_step * rl.group_size
 
 
-def _timed(run, steps: int) -> tuple[float, list[dict]]:
+def _timed(run, steps: int) -> tuple[float, list[dict], dict]:
+  """Wall seconds of ``steps`` steps after a warm-up, their records, and the machine's CPU use."""
   run.step(1)  # warm-up: compiles the engine and the train step
   t0 = time.perf_counter()
   recs = []
-  for s in range(2, steps + 2):
-    t = time.perf_counter()
-    recs.append(run.step(s))
-    recs[-1]["wall_s"] = time.perf_counter() - t
-  return time.perf_counter() - t0, recs
+  with CpuMeter() as cpu:
+    for s in range(2, steps + 2):
+      t = time.perf_counter()
+      recs.append(run.step(s))
+      recs[-1]["wall_s"] = time.perf_counter() - t
+  use = {"busy_frac": cpu.busy_frac, "busy_core_s_per_step": cpu.busy_core_s / steps,
+         "learner_core_s_per_step": cpu.own_core_s / steps, "steal_frac": cpu.steal_frac}
+  return time.perf_counter() - t0, recs, use
 
 
 def main(argv=None) -> int:
@@ -83,6 +93,9 @@ def main(argv=None) -> int:
   ap.add_argument("--staleness", type=int, default=1)
   ap.add_argument("--worker-cpus", type=int, default=0,
                   help="rl.worker_cpus of the async run: workers and learner on cores of their own")
+  ap.add_argument("--worker-xla-flags", default="",
+                  help="rl.worker_xla_flags of the async run, e.g. "
+                       "--worker-xla-flags=--xla_cpu_multi_thread_eigen=false")
   ap.add_argument("--note", default="")
   ap.add_argument("--run", default="", help="time the RL stage of this `composer-jax run` directory")
   a = ap.parse_args(argv)
@@ -105,25 +118,29 @@ def main(argv=None) -> int:
     make = lambda extra: load_config(None, over + extra)
   quiet = lambda m: None
   sync = RLRun(make(["rl.async=false"]), os.path.join(root, "sync"), init=init, log=quiet)
-  sync_s, sync_recs = _timed(sync, a.steps)
+  sync_s, sync_recs, sync_cpu = _timed(sync, a.steps)
   sync.rollout_file.close()
   sync_tok = sum(r["completion_tokens_mean"] * cfg_episodes(make) for r in sync_recs)
   res = {"run": a.run or None, "steps": a.steps, "workers": a.workers, "max_staleness": a.staleness,
+         "worker_xla_flags": a.worker_xla_flags,
          "goal": ">= 1.3", "sync_wall_s": sync_s,
          "sync": {"rollout_s_frac": float(np.sum([r["rollout_s"] for r in sync_recs]) / sync_s),
                   "learn_s_frac": float(np.sum([r["learn_s"] for r in sync_recs]) / sync_s),
                   "trained_tokens_per_s": sync_tok / sync_s,
                   "wall_s": [round(r["wall_s"], 2) for r in sync_recs],
                   "rollout_s": [round(r["rollout_s"], 2) for r in sync_recs],
-                  "learn_s": [round(r["learn_s"], 2) for r in sync_recs]},
+                  "learn_s": [round(r["learn_s"], 2) for r in sync_recs], "cpu": sync_cpu},
+         # What limits async on this machine: it can only fill the cores the sync loop leaves idle.
+         # Doing the same CPU work, it cannot beat sync by more than 1 / sync's busy fraction.
+         "cpu_ceiling_speedup": 1.0 / max(sync_cpu["busy_frac"], 1e-9),
          "note": a.note}
   # The same async run with every process on every core, then (--worker-cpus N) pinned apart.
   for pin in [0] + ([a.worker_cpus] if a.worker_cpus else []):
     cfg = make(["rl.async=true", f"rl.num_workers={a.workers}", f"rl.max_staleness={a.staleness}",
-                f"rl.worker_cpus={pin}"])
+                f"rl.worker_cpus={pin}", f"rl.worker_xla_flags={a.worker_xla_flags}"])
     run = AsyncRLRun(cfg, os.path.join(root, f"async{pin}"), init=init, log=quiet)
     try:
-      async_s, recs = _timed(run, a.steps)
+      async_s, recs, cpu = _timed(run, a.steps)
     finally:
       run.orch.shutdown()
     res.update(tasks_per_step=cfg.rl.tasks_per_step, group_size=cfg.rl.group_size, epochs=cfg.rl.epochs)
@@ -142,13 +159,18 @@ def main(argv=None) -> int:
         "dropped_stale": int(recs[-1]["dropped_stale"]),
         "step_wall_s": [round(r["wall_s"], 2) for r in recs],
         "wait_s": [round(r["rollout_s"], 2) for r in recs],
-        "learn_s": [round(r["learn_s"], 2) for r in recs]}
+        "learn_s": [round(r["learn_s"], 2) for r in recs], "cpu": cpu,
+        # > 1: the overlapped processes did more CPU work for the same steps (contention, spinning)
+        "cpu_work_vs_sync": cpu["busy_core_s_per_step"] / max(sync_cpu["busy_core_s_per_step"], 1e-9)}
     r = res[key]
     print(f"{key}: sync {sync_s:.1f} s, async {async_s:.1f} s -> {r['speedup']:.2f}x "
           f"(steady {r['speedup_steady']:.2f}x); learner idle {r['learner_idle_frac']:.2f}, rollout idle "
-          f"{r['rollout_idle_frac']:.2f}, rollout {r['rollout_tokens_per_s']:.1f} tok/s")
+          f"{r['rollout_idle_frac']:.2f}, rollout {r['rollout_tokens_per_s']:.1f} tok/s; cores busy: "
+          f"sync {sync_cpu['busy_frac']:.2f} (ceiling {res['cpu_ceiling_speedup']:.2f}x), async "
+          f"{cpu['busy_frac']:.2f}; async CPU work / sync {r['cpu_work_vs_sync']:.2f}")
   res["speedup"] = res["async"]["speedup"]
-  write_result(("rl_async_main_job" if a.run else "rl_async") + ("_pinned" if a.worker_cpus else ""), res)
+  write_result(("rl_async_main_job" if a.run else "rl_async") + ("_pinned" if a.worker_cpus else "")
+               + ("_worker_xla" if a.worker_xla_flags else ""), res)
   return 0
 
 
