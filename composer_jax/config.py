@@ -221,10 +221,10 @@ class RLConfig:
   # reserving them per worker; worker_mesh: axis sizes over them ({} = all on tensor), e.g. {expert: 8}.
   worker_devices: int = 0
   worker_platform: Literal["cpu", "gpu", "tpu"] = "cpu"
+  worker_mesh: dict = field(default_factory=dict)
   # XLA_FLAGS of the rollout actors only (the learner keeps its own), e.g.
   # "--xla_cpu_multi_thread_eigen=false": CPU workers sharing the learner's cores (docs/rl.md).
   worker_xla_flags: str = ""
-  worker_mesh: dict = field(default_factory=dict)
   # Processes (hosts) of one rollout worker, each with worker_devices devices: a gang joined by
   # jax.distributed, one sampler mesh over all of them (worker_mesh spans hosts x devices); member 0
   # plays the episodes, the others replay its model calls (rl/orchestrator.py). Needs rl.async=true.

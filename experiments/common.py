@@ -63,10 +63,10 @@ def matmul_peak_flops(n: int = 2048, dtype: str = "float32", iters: int = 5) -> 
 
 class CpuMeter:
   """Machine-wide CPU use over a ``with`` block, every process counted (Ray's workers, the sandboxes,
-  XLA's threads): ``busy_core_s`` (core-seconds not idle), ``wall_s``, and ``busy_frac`` = busy /
-  (wall x cores); ``own_core_s``, the part spent by this process. Its complement is the most that overlapping more work could still use: a loop
-  whose busy fraction is U cannot run more than 1 / U times faster on these cores doing the same
-  CPU work."""
+  XLA's threads): ``busy_core_s`` (core-seconds not idle), ``wall_s``, ``busy_frac`` = busy /
+  (wall x cores), ``steal_frac`` and ``own_core_s`` (the part spent by this process). The idle
+  share is the most that overlapping more work could still use: a loop whose busy fraction is U
+  cannot run more than 1 / U times faster on these cores doing the same CPU work."""
 
   def __enter__(self):
     import psutil
