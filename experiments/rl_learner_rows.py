@@ -32,12 +32,13 @@ from composer_jax.train.loop import build_trainer, put_batch
 from experiments.common import write_result
 
 
-def segments(n: int, cfg, seed: int) -> list[L.Row]:
+def segments(n: int, cfg, seed: int, lo: int = 300, hi: int = 900) -> list[L.Row]:
+  """n RL segments of lo..hi tokens, 40 % of them generated after a 200-token prompt."""
   rs = np.random.RandomState(seed)
   m = cfg.model
   out = []
   for i in range(n):
-    k = int(rs.randint(300, 901))
+    k = int(rs.randint(lo, hi + 1))
     mask = (rs.rand(k) < 0.4).astype(np.float32)
     mask[:200] = 0  # the prompt
     out.append(L.Row(tokens=rs.randint(1, m.vocab_size, k).astype(np.int32),

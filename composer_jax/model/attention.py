@@ -2,14 +2,19 @@
 
 ``attention(q, k, v, segment_ids, scale=..., impl=...)`` takes q, k [b, s, h, dk] and v [b, s, h, dv]
 (MLA: dk = nope + rope = 192, dv = 128 for K2). A query attends to the keys at or before its index in
-the packed row that carry the same segment id (padding, id 0, attends within the padding, as every
-other segment does). Implementations, chosen by ``model.attention_impl``:
+the packed row that carry the same segment id. Padding (id 0) attends to nothing and its output is zero
+(the kernels below attend within it, and their output there is zeroed); nothing reads a padding
+output (losses, router loads and caches skip id 0), and so blockwise never visits padding, which is
+most of the work on an RL batch of right-padded rows. Implementations, chosen by
+``model.attention_impl``:
 
 * ``dense``     — the [b, h, s, s] masked softmax: the float32 reference, O(s^2) memory.
 * ``blockwise`` — flash-style in pure JAX with a custom VJP (CPU default): loops over (query block,
                   key block) pairs with an online softmax, holds one block of scores at a time, never
-                  visits a block above the diagonal, skips blocks the segment ids leave empty, and
-                  recomputes the scores per block backward. Memory O(s) per head; any dk, dv, s.
+                  visits a block above the diagonal, skips blocks the segment ids leave empty (each
+                  group of ``rows`` batch rows has its own plan, so a short row is not padded to the
+                  longest), and recomputes the scores per block backward. Memory O(s) per head;
+                  any dk, dv, s.
                   A sequence of at most one block (``model.attention_block``) is the dense product.
 * ``splash``    — TPU: splash attention (block-sparse causal mask + segment ids, Pallas/Mosaic),
                   per-batch-row via vmap. Any dk, dv (192 / 128 lower); s a multiple of 128; tiles
@@ -36,6 +41,8 @@ from a separate blockwise max pass (no P.V, no gradient).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -54,8 +61,8 @@ IMPLS = ("auto", "dense", "blockwise", "splash", "pallas_gpu", "cudnn")
 def attention_mask(q_pos_idx, k_pos_idx, q_seg=None, k_seg=None, k_valid=None):
   """Boolean [b, 1, sq, sk]: causal by index, same segment, and (decoding) key slot written."""
   mask = q_pos_idx[:, :, None] >= k_pos_idx[:, None, :]
-  if q_seg is not None:
-    mask &= q_seg[:, :, None] == k_seg[:, None, :]
+  if q_seg is not None:  # padding (id 0) attends to nothing
+    mask &= (q_seg[:, :, None] == k_seg[:, None, :]) & (q_seg != 0)[:, :, None]
   if k_valid is not None:
     mask &= k_valid[:, None, :]
   return mask[:, None]
@@ -118,21 +125,28 @@ def _vary(x, *refs):
 
 def _block_mask(sq, sk, qi, j, bs):
   """[b, 1, bs, bs] mask of (query block at key-block index qi, key block j): causal by index,
-  same segment. sq, sk: the two blocks' segment ids [b, bs]."""
+  same segment, not padding (ids <= 0: 0 padding, -1 the tail up to a whole block). sq, sk: the
+  two blocks' segment ids [b, bs]."""
   causal = (qi * bs + jnp.arange(bs))[:, None] >= (j * bs + jnp.arange(bs))[None, :]
-  return (causal[None] & (sq[:, :, None] == sk[:, None, :]))[:, None]
+  return (causal[None] & (sq[:, :, None] == sk[:, None, :]) & (sq > 0)[:, :, None])[:, None]
+
+
+def _id_range(sb):
+  """Per block and row, the (min, max) of its non-padding segment ids; (int max, -1) if none."""
+  valid = sb > 0
+  return (jnp.where(valid, sb, jnp.iinfo(jnp.int32).max).min(-1), jnp.where(valid, sb, -1).max(-1))
 
 
 def _visit_plan(sqb, skb, qidx):
   """Which (query block i, key block j) pairs to visit, as index lists for the loops.
 
-  A pair is visited if j <= qidx[i] and, in some row, the segment-id ranges of the two blocks
-  overlap: exact for the non-decreasing ids of packed rows, never skipping a pair with a valid entry
-  otherwise. Returns (keys [nq, nk]: visited j of each i, descending, so the query's own block
-  comes first; n_keys [nq]; queries [nk, nq]: visited i of each j; n_queries [nk]).
+  A pair is visited if j <= qidx[i] and, in some row, the non-padding segment-id ranges of the two
+  blocks overlap: exact for the non-decreasing ids of packed rows, never skipping a pair with a
+  valid entry otherwise. Returns (keys [nq, nk]: visited j of each i, descending, so the query's
+  own block comes first; n_keys [nq]; queries [nk, nq]: visited i of each j; n_queries [nk]).
   """
   nq, nk = sqb.shape[0], skb.shape[0]
-  qlo, qhi, klo, khi = sqb.min(-1), sqb.max(-1), skb.min(-1), skb.max(-1)  # [n, b]
+  (qlo, qhi), (klo, khi) = _id_range(sqb), _id_range(skb)  # [n, b]
   overlap = ((qlo[:, None] <= khi[None, :]) & (klo[None, :] <= qhi[:, None])).any(-1)
   kj, qi = jnp.arange(nk), jnp.arange(nq)
   visit = overlap & (qidx[:, None] >= kj[None, :])
@@ -145,8 +159,9 @@ def _fwd_loop(qb, kb, vb, sqb, skb, qidx):
   """Online softmax over the visited key blocks of every query block, its own block first.
 
   With the query's own block first each row's running max is finite from the start, so masked
-  scores (NEG_INF) exponentiate to exactly 0 without a second select. Returns o [nq,b,h,bs,dv] in
-  v's dtype, the log-sum-exp and the row max [nq, b, h, bs] (float32).
+  scores (NEG_INF) exponentiate to exactly 0 without a second select. A padding query sees no key:
+  its output is set to 0 and its log-sum-exp to 0, so that the backward's exp(NEG_INF - lse) is 0.
+  Returns o [nq,b,h,bs,dv] in v's dtype, the log-sum-exp and the row max [nq, b, h, bs] (float32).
   """
   _, b, h, bs, _ = qb.shape
   dv = vb.shape[-1]
@@ -172,7 +187,9 @@ def _fwd_loop(qb, kb, vb, sqb, skb, qidx):
     init = tuple(_vary(x, qb, kb, vb, sqb, skb, qidx) for x in init)
     m, l, acc = jax.lax.fori_loop(0, n_keys[i], step, init)
     l = jnp.maximum(l, jnp.finfo(jnp.float32).tiny)  # the own block makes l >= 1; guard anyway
-    return (acc / l[..., None]).astype(vb.dtype), m + jnp.log(l), m
+    valid = (sqb[i] > 0)[:, None]  # [b, 1, bs]
+    o = jnp.where(valid[..., None], acc / l[..., None], 0.0)
+    return o.astype(vb.dtype), jnp.where(valid, m + jnp.log(l), 0.0), m
 
   return jax.lax.map(q_block, jnp.arange(qb.shape[0]))
 
@@ -213,21 +230,43 @@ def _bwd_loop(qb, kb, vb, sqb, skb, qidx, ob, lse, dob):
   return dq.astype(qb.dtype), dkb.astype(kb.dtype), dvb.astype(vb.dtype)
 
 
-@jax.custom_vjp
-def _flash(qb, kb, vb, sqb, skb, qidx):
-  o, _, m = _fwd_loop(qb, kb, vb, sqb, skb, qidx)
+def _by_rows(loop, rows, qidx, *blocked):
+  """``loop(*blocked, qidx)`` run per group of ``rows`` batch rows, each group with its own visit
+  plan: blocked arrays are [n, b, ...] and so are the results. Rows are independent, so this is
+  exact; it saves the pairs that only other groups' rows need."""
+  b = blocked[0].shape[1]
+  if rows >= b:
+    return loop(*blocked, qidx)
+  split = lambda x: x.reshape((x.shape[0], b // rows, rows) + x.shape[2:]).swapaxes(0, 1)
+  merge = lambda x: x.swapaxes(0, 1).reshape((x.shape[1], b) + x.shape[3:])
+  out = jax.lax.map(lambda xs: loop(*xs, qidx), tuple(split(x) for x in blocked))
+  return tuple(merge(x) for x in out)
+
+
+def plan_rows(b: int, rows: int) -> int:
+  """The largest divisor of the batch b that is at most ``rows`` (>= 1): the rows a plan covers."""
+  rows = max(1, min(rows, b))
+  while b % rows:
+    rows -= 1
+  return rows
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(qb, kb, vb, sqb, skb, qidx, rows):
+  o, _, m = _by_rows(_fwd_loop, rows, qidx, qb, kb, vb, sqb, skb)
   return o, m
 
 
-def _flash_fwd(qb, kb, vb, sqb, skb, qidx):
-  o, lse, m = _fwd_loop(qb, kb, vb, sqb, skb, qidx)
+def _flash_fwd(qb, kb, vb, sqb, skb, qidx, rows):
+  o, lse, m = _by_rows(_fwd_loop, rows, qidx, qb, kb, vb, sqb, skb)
   return (o, m), (qb, kb, vb, sqb, skb, qidx, o, lse)
 
 
-def _flash_bwd(res, g):
+def _flash_bwd(rows, res, g):
   qb, kb, vb, sqb, skb, qidx, o, lse = res
   do, _ = g  # the row max is a statistic (QK-clip), not differentiated
-  dq, dk, dv = _bwd_loop(qb, kb, vb, sqb, skb, qidx, o, lse, do)
+  bwd = lambda qb, kb, vb, sqb, skb, o, lse, do, qidx: _bwd_loop(qb, kb, vb, sqb, skb, qidx, o, lse, do)
+  dq, dk, dv = _by_rows(bwd, rows, qidx, qb, kb, vb, sqb, skb, o, lse, do)
   return dq, dk, dv, None, None, None
 
 
@@ -248,8 +287,9 @@ def _seg_blocks(seg, b, s, nb, bs):
   return seg.reshape(b, nb, bs).transpose(1, 0, 2)
 
 
-def blockwise_attention(q, k, v, seg, scale, block=512, with_max_logit=False):
-  """Flash-style attention in pure JAX; see the module docstring. ``block`` rows per block.
+def blockwise_attention(q, k, v, seg, scale, block=512, with_max_logit=False, rows=None):
+  """Flash-style attention in pure JAX; see the module docstring. ``block`` positions per block;
+  ``rows`` batch rows per visit plan (``plan_rows``; None = the whole batch).
 
   A sequence that fits one block is one block of scores: the dense product, without the loops.
   """
@@ -261,7 +301,7 @@ def blockwise_attention(q, k, v, seg, scale, block=512, with_max_logit=False):
   q = q * jnp.asarray(scale, q.dtype)
   sb = _seg_blocks(seg, b, s, nb, bs)
   o, m = _flash(_to_blocks(q, nb, bs), _to_blocks(k, nb, bs), _to_blocks(v, nb, bs), sb, sb,
-                jnp.arange(nb, dtype=jnp.int32))
+                jnp.arange(nb, dtype=jnp.int32), plan_rows(b, rows or b))
   o = o.transpose(1, 0, 3, 2, 4).reshape(b, nb * bs, h, -1)[:, :s]
   if not with_max_logit:
     return o, None
@@ -269,18 +309,20 @@ def blockwise_attention(q, k, v, seg, scale, block=512, with_max_logit=False):
   return o, jax.lax.stop_gradient(m.max(axis=(0, 2)))
 
 
-def blockwise_core(q, k, v, q_seg, k_seg, q_block_idx, block):
+def blockwise_core(q, k, v, q_seg, k_seg, q_block_idx, block, rows=None):
   """The blockwise kernel for queries at given places in the key sequence (context parallelism).
 
   q [b, nq*block, h, dk] (scale already applied), k [b, nk*block, h, dk], v [b, nk*block, h, dv];
   q_seg [b, nq*block], k_seg [b, nk*block]; q_block_idx [nq] int32: the key block each query block
-  coincides with (causality by index). Returns (o [b, nq*block, h, dv], per-head max logit [h]).
+  coincides with (causality by index); ``rows`` as in ``blockwise_attention``. Returns
+  (o [b, nq*block, h, dv], per-head max logit [h]).
   """
   b, lq, h, _ = q.shape
   nq, nk = lq // block, k.shape[1] // block
   seg_blocks = lambda sg, n: sg.astype(jnp.int32).reshape(b, n, block).transpose(1, 0, 2)
   o, m = _flash(_to_blocks(q, nq, block), _to_blocks(k, nk, block), _to_blocks(v, nk, block),
-                seg_blocks(q_seg, nq), seg_blocks(k_seg, nk), q_block_idx.astype(jnp.int32))
+                seg_blocks(q_seg, nq), seg_blocks(k_seg, nk), q_block_idx.astype(jnp.int32),
+                plan_rows(b, rows or b))
   o = o.transpose(1, 0, 3, 2, 4).reshape(b, lq, h, -1)
   return o, jax.lax.stop_gradient(m.max(axis=(0, 1, 3)))
 
@@ -431,18 +473,18 @@ def resolve_impl(impl: str, s: int, backend: str | None = None, packed: bool = T
 
 
 def attention(q, k, v, segment_ids=None, *, scale: float, impl: str = "auto", block: int = 512,
-              with_max_logit: bool = False):
+              with_max_logit: bool = False, rows: int | None = None):
   """Causal, segment-masked attention: q, k [b,s,h,dk], v [b,s,h,dv], segment_ids [b,s] or None.
 
   Returns (o [b,s,h,dv] in v's dtype, per-head max logit [h] float32 or None). ``block`` is the
-  blockwise/kernel tile along the sequence.
+  blockwise/kernel tile along the sequence, ``rows`` the batch rows per blockwise visit plan.
   """
   s = q.shape[1]
   impl = resolve_impl(impl, s, packed=segment_ids is not None, head_dim=q.shape[-1], dtype=q.dtype)
   if impl == "dense":
     return dense_attention(q, k, v, segment_ids, scale, with_max_logit)
   if impl == "blockwise":
-    return blockwise_attention(q, k, v, segment_ids, scale, block, with_max_logit)
+    return blockwise_attention(q, k, v, segment_ids, scale, block, with_max_logit, rows)
   if impl == "splash":
     # TPU tiles of at least 512 rows: the kernel's sweet spot, where CPU prefers small blocks
     fn = lambda q, k, v, sg: splash(q, k, v, sg, scale, max(block, 512))
@@ -452,4 +494,6 @@ def attention(q, k, v, segment_ids=None, *, scale: float, impl: str = "auto", bl
     return (cudnn(q, k, v, segment_ids, scale),
             max_logit(q, k, segment_ids, scale, block) if with_max_logit else None)
   o = _per_shard(fn, q, k, v, segment_ids)
+  if segment_ids is not None:  # the kernels attend within the padding: zero it, as dense does
+    o = o * (segment_ids != 0)[:, :, None, None].astype(o.dtype)
   return o, (max_logit(q, k, segment_ids, scale, block) if with_max_logit else None)

@@ -104,7 +104,8 @@ class MLA(nnx.Module):
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None], k_nope.shape[:3] + k_pe.shape[-1:])],
                         axis=-1)
     return attention(q, k, v, seg, scale=self.scale, impl=cfg.attention_impl,
-                     block=cfg.attention_block, with_max_logit=self.record_max_logit)
+                     block=cfg.attention_block, with_max_logit=self.record_max_logit,
+                     rows=cfg.attention_rows)
 
   def absorbed(self, x, cos, sin, cache, seg=None):
     """Decode/prefill: attend over the cached latent with the up-projections absorbed.

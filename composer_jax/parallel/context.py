@@ -23,7 +23,8 @@ untouched. Only the attention core runs inside ``shard_map``:
    pairs of each query half (a shared max and denominator). Both equal the unsharded result.
 
 Causality is by index in the packed row and keys must share the query's segment, as in
-``composer_jax.model.attention``; rows with no valid key give zeros. This module imports nothing
+``composer_jax.model.attention``; padding (id 0) attends to nothing, and rows with no valid key
+give zeros. This module imports nothing
 from ``composer_jax.model`` (the model calls it; the dependency runs one way).
 """
 
@@ -109,6 +110,7 @@ def _balanced_body(q_nope, q_pe, c_lat, k_pe, w_kv, seg, *, scale, cp_axes, n, v
   scores = (jnp.einsum("bpqhd,bpkhd->bphqk", qn, kn, preferred_element_type=jnp.float32)
             + jnp.einsum("bpqhd,bpkd->bphqk", qp, kp, preferred_element_type=jnp.float32)) * scale
   mask = (qi[None, :, :, None] >= ki[None, :, None, :]) & (qs[..., :, None] == ks[..., None, :])
+  mask &= qs[..., :, None] != 0  # padding attends to nothing (model/attention.py)
   mask = mask[:, :, None]  # [b, P, 1, cq, ck]
   scores = jnp.where(mask, scores, NEG_INF)
   onehot = jax.nn.one_hot(slot, 2, dtype=jnp.float32)  # [P, 2]
@@ -167,10 +169,11 @@ def dense_attention(q_nope, q_pe, k_nope, k_pe, v, seg, scale, with_max_logit=Fa
             + jnp.einsum("bqhd,bkd->bhqk", q_pe, k_pe, preferred_element_type=jnp.float32))
   idx = jnp.arange(s)
   mask = jnp.broadcast_to(idx[:, None] >= idx[None, :], (b, s, s))
-  if seg is not None:
-    mask = mask & (seg[:, :, None] == seg[:, None, :])
+  if seg is not None:  # padding (id 0) attends to nothing: a zero output (model/attention.py)
+    mask = mask & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
   logits = jnp.where(mask[:, None], scores * scale, NEG_INF)
-  o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+  probs = jax.nn.softmax(logits, axis=-1) * mask.any(-1)[:, None, :, None]
+  o = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
   if not with_max_logit:
     return o
   return o, jax.lax.stop_gradient(logits.max(axis=(0, 2, 3)))

@@ -93,8 +93,8 @@ def mla(p, x, pos, seg, cfg):
       q_full = np.concatenate([q_nope[bi, :, hi], q_pe[bi, :, hi]], -1)
       sc = q_full @ k_full.T * scale
       allowed = np.tril(np.ones((s, s), bool))
-      if seg is not None:
-        allowed &= seg[bi][:, None] == seg[bi][None, :]
+      if seg is not None:  # padding (id 0) attends to nothing: a zero output
+        allowed &= (seg[bi][:, None] == seg[bi][None, :]) & (seg[bi][:, None] != 0)
       sc = np.where(allowed, sc, -np.inf)
       pr = np.where(allowed.any(-1, keepdims=True), softmax(np.where(allowed.any(-1, keepdims=True), sc, 0)), 0)
       pr = np.where(allowed, pr, 0)

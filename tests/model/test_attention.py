@@ -28,11 +28,12 @@ def numpy_attention(q, k, v, seg, g):
   b, s = q.shape[:2]
   seg = np.ones((b, s), np.int32) if seg is None else np.asarray(seg)
   idx = np.arange(s)
-  mask = ((idx[:, None] >= idx[None, :])[None] & (seg[:, :, None] == seg[:, None, :]))[:, None]
+  mask = ((idx[:, None] >= idx[None, :])[None] & (seg[:, :, None] == seg[:, None, :])
+          & (seg[:, :, None] != 0))[:, None]  # padding (id 0) attends to nothing: a zero output
   logits = np.einsum("bqhd,bkhd->bhqk", q, k) * SCALE
   top = np.where(mask, logits, -np.inf).max(axis=(0, 2, 3))
   e = np.where(mask, np.exp(logits - np.where(mask, logits, -np.inf).max(-1, keepdims=True)), 0.0)
-  p = e / e.sum(-1, keepdims=True)
+  p = e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
   o = np.einsum("bhqk,bkhd->bqhd", p, v)
   dp = np.einsum("bqhd,bkhd->bhqk", g, v)
   ds = p * (dp - (dp * p).sum(-1, keepdims=True))
@@ -49,7 +50,7 @@ def make_inputs(b, s, h, dk, dv, packing, seed=0):
   if packing:
     seg = np.ones((b, s), np.int32)
     seg[0, s // 3:] = 2
-    seg[0, s - s // 5:] = 0  # padding rows at the end: they attend within the padding
+    seg[0, s - s // 5:] = 0  # padding at the end: it attends to nothing
     seg[-1] = 1 + np.arange(s) // 7  # many short documents: most off-diagonal blocks are empty
     seg = jnp.asarray(seg)
   return f(b, s, h, dk), f(b, s, h, dk), f(b, s, h, dv), seg, f(b, s, h, dv)
@@ -79,9 +80,32 @@ def test_blockwise_and_dense_match_float64_reference(case):
   *shape, block, packing = case
   q, k, v, seg, g = make_inputs(*shape, packing)
   want = numpy_attention(q, k, v, seg, g)
-  for impl in ("blockwise", "dense"):  # dense: today's path, the float32 reference
-    fn = lambda q, k, v, impl=impl: A.attention(q, k, v, seg, scale=SCALE, impl=impl, block=block)[0]
+  # dense: today's path, the float32 reference; blockwise with one plan for the batch and per row
+  for impl, rows in (("blockwise", None), ("blockwise", 1), ("dense", None)):
+    fn = lambda q, k, v, impl=impl, rows=rows: A.attention(q, k, v, seg, scale=SCALE, impl=impl,
+                                                           block=block, rows=rows)[0]
     check(jax.jit(lambda *a, fn=fn: run(fn, *a))(q, k, v, g), want)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_blockwise_per_row_plans_on_right_padded_rows(rows):
+  """An RL learner batch: one sequence a row, right-padded to the longest, and a row of padding
+  only. Each group of ``rows`` rows visits only the block pairs its own rows need, and the result
+  (zero at the padding) equals the float64 reference, gradients included."""
+  b, s, h, dk, dv, block = 4, 96, 2, 12, 8, 16
+  q, k, v, _, g = make_inputs(b, s, h, dk, dv, False, seed=3)
+  lengths = [96, 20, 0, 57]
+  seg = jnp.asarray((np.arange(s)[None] < np.asarray(lengths)[:, None]).astype(np.int32))
+  fn = lambda q, k, v: A.attention(q, k, v, seg, scale=SCALE, impl="blockwise", block=block,
+                                   rows=rows)[0]
+  got = jax.jit(lambda *a: run(fn, *a))(q, k, v, g)
+  check(got, numpy_attention(q, k, v, seg, g))
+  assert not np.asarray(got[0])[2].any()  # the padding row's output
+  sb = A._seg_blocks(seg, b, s, s // block, block)
+  visited = [int(A._visit_plan(sb[:, i:i + rows], sb[:, i:i + rows], jnp.arange(s // block))[1].sum())
+             for i in range(0, b, rows)]
+  blocks = [-(-max(lengths[i:i + rows]) // block) for i in range(0, b, rows)]
+  assert visited == [n * (n + 1) // 2 for n in blocks]  # the causal pairs of the group's longest
 
 
 def test_max_logit_per_head_matches_dense():

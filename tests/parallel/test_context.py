@@ -33,10 +33,12 @@ def numpy_attention(qn, qp, c, kp, w, seg):
   seg = np.asarray(seg)
   s = (np.einsum("bqhd,bkhd->bhqk", qn, kn) + np.einsum("bqhd,bkd->bhqk", qp, kp)) * SCALE
   idx = np.arange(S)
-  mask = (idx[:, None] >= idx[None, :])[None] & (seg[:, :, None] == seg[:, None, :])
+  mask = ((idx[:, None] >= idx[None, :])[None] & (seg[:, :, None] == seg[:, None, :])
+          & (seg[:, :, None] != 0))  # padding (id 0) attends to nothing: a zero output
   s = np.where(mask[:, None], s, -np.inf)
-  p = np.exp(s - s.max(-1, keepdims=True))
-  p = p / p.sum(-1, keepdims=True)
+  top = np.where(mask.any(-1)[:, None, :, None], s, -np.inf).max(-1, keepdims=True)
+  p = np.where(mask[:, None], np.exp(s - np.where(np.isfinite(top), top, 0.0)), 0.0)
+  p = p / np.maximum(p.sum(-1, keepdims=True), 1e-300)
   return np.einsum("bhqk,bkhd->bqhd", p, v), s.max(axis=(0, 2, 3))
 
 
@@ -44,7 +46,7 @@ def inputs():
   r = np.random.default_rng(0)
   f = lambda *s: jnp.asarray(r.normal(size=s), jnp.float32)
   seg = np.where(np.arange(S)[None] < r.integers(3, S - 3, (B, 1)), 1, 2).astype(np.int32)
-  seg[0, -4:] = 0  # padding: attends within the padding, as the model's mask does
+  seg[0, -4:] = 0  # padding: attends to nothing, as the model's mask says
   w = f(R, H, DN + DV) * 0.3
   return f(B, S, H, DN), f(B, S, H, 4), f(B, S, R), f(B, S, 4), w, jnp.asarray(seg)
 
