@@ -132,6 +132,8 @@ class MLA(nnx.Module):
     k_idx = jnp.broadcast_to(jnp.arange(view)[None], (b, view))
     mask = attention_mask(q_idx, k_idx, k_valid=k_idx < cache.index[:, None])
     probs = masked_softmax(scores * self.scale, mask).astype(ckv.dtype)
-    o_lat = jnp.einsum("bhqk,bkr->bqhr", probs, ckv)
+    # [b, h, q, r], then the transpose: on XLA:CPU the product straight into [b, q, h, r] ran 4-5x
+    # slower (a 16-row decode over a 1024 view: 2.0 ms against 0.39 ms a layer)
+    o_lat = jnp.einsum("bhqk,bkr->bhqr", probs, ckv).transpose(0, 2, 1, 3)
     o = jnp.einsum("bqhr,rhd->bqhd", o_lat, w_v)
     return self._out(o), cache
