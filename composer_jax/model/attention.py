@@ -243,7 +243,7 @@ def _by_rows(loop, rows, qidx, *blocked):
   return tuple(merge(x) for x in out)
 
 
-def plan_rows(b: int, rows: int) -> int:
+def rows_per_plan(b: int, rows: int) -> int:
   """The largest divisor of the batch b that is at most ``rows`` (>= 1): the rows a plan covers."""
   rows = max(1, min(rows, b))
   while b % rows:
@@ -289,7 +289,7 @@ def _seg_blocks(seg, b, s, nb, bs):
 
 def blockwise_attention(q, k, v, seg, scale, block=512, with_max_logit=False, rows=None):
   """Flash-style attention in pure JAX; see the module docstring. ``block`` positions per block;
-  ``rows`` batch rows per visit plan (``plan_rows``; None = the whole batch).
+  ``rows`` batch rows per visit plan (``rows_per_plan``; None = the whole batch).
 
   A sequence that fits one block is one block of scores: the dense product, without the loops.
   """
@@ -301,7 +301,7 @@ def blockwise_attention(q, k, v, seg, scale, block=512, with_max_logit=False, ro
   q = q * jnp.asarray(scale, q.dtype)
   sb = _seg_blocks(seg, b, s, nb, bs)
   o, m = _flash(_to_blocks(q, nb, bs), _to_blocks(k, nb, bs), _to_blocks(v, nb, bs), sb, sb,
-                jnp.arange(nb, dtype=jnp.int32), plan_rows(b, rows or b))
+                jnp.arange(nb, dtype=jnp.int32), rows_per_plan(b, rows or b))
   o = o.transpose(1, 0, 3, 2, 4).reshape(b, nb * bs, h, -1)[:, :s]
   if not with_max_logit:
     return o, None
@@ -322,7 +322,7 @@ def blockwise_core(q, k, v, q_seg, k_seg, q_block_idx, block, rows=None):
   seg_blocks = lambda sg, n: sg.astype(jnp.int32).reshape(b, n, block).transpose(1, 0, 2)
   o, m = _flash(_to_blocks(q, nq, block), _to_blocks(k, nk, block), _to_blocks(v, nk, block),
                 seg_blocks(q_seg, nq), seg_blocks(k_seg, nk), q_block_idx.astype(jnp.int32),
-                plan_rows(b, rows or b))
+                rows_per_plan(b, rows or b))
   o = o.transpose(1, 0, 3, 2, 4).reshape(b, lq, h, -1)
   return o, jax.lax.stop_gradient(m.max(axis=(0, 1, 3)))
 
