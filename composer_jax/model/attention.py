@@ -230,16 +230,16 @@ def _bwd_loop(qb, kb, vb, sqb, skb, qidx, ob, lse, dob):
   return dq.astype(qb.dtype), dkb.astype(kb.dtype), dvb.astype(vb.dtype)
 
 
-def _by_rows(loop, rows, qidx, *blocked):
-  """``loop(*blocked, qidx)`` run per group of ``rows`` batch rows, each group with its own visit
-  plan: blocked arrays are [n, b, ...] and so are the results. Rows are independent, so this is
-  exact; it saves the pairs that only other groups' rows need."""
+def _by_rows(loop, rows, *blocked):
+  """``loop(*blocked)`` run per group of ``rows`` batch rows, each group with its own visit plan:
+  blocked arrays are [n, b, ...] and so are the results. Rows are independent, so this is exact;
+  it saves the pairs that only other groups' rows need."""
   b = blocked[0].shape[1]
   if rows >= b:
-    return loop(*blocked, qidx)
+    return loop(*blocked)
   split = lambda x: x.reshape((x.shape[0], b // rows, rows) + x.shape[2:]).swapaxes(0, 1)
   merge = lambda x: x.swapaxes(0, 1).reshape((x.shape[1], b) + x.shape[3:])
-  out = jax.lax.map(lambda xs: loop(*xs, qidx), tuple(split(x) for x in blocked))
+  out = jax.lax.map(lambda xs: loop(*xs), tuple(split(x) for x in blocked))
   return tuple(merge(x) for x in out)
 
 
@@ -253,20 +253,20 @@ def rows_per_plan(b: int, rows: int) -> int:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _flash(qb, kb, vb, sqb, skb, qidx, rows):
-  o, _, m = _by_rows(_fwd_loop, rows, qidx, qb, kb, vb, sqb, skb)
+  o, _, m = _by_rows(lambda *a: _fwd_loop(*a, qidx), rows, qb, kb, vb, sqb, skb)
   return o, m
 
 
 def _flash_fwd(qb, kb, vb, sqb, skb, qidx, rows):
-  o, lse, m = _by_rows(_fwd_loop, rows, qidx, qb, kb, vb, sqb, skb)
+  o, lse, m = _by_rows(lambda *a: _fwd_loop(*a, qidx), rows, qb, kb, vb, sqb, skb)
   return (o, m), (qb, kb, vb, sqb, skb, qidx, o, lse)
 
 
 def _flash_bwd(rows, res, g):
   qb, kb, vb, sqb, skb, qidx, o, lse = res
   do, _ = g  # the row max is a statistic (QK-clip), not differentiated
-  bwd = lambda qb, kb, vb, sqb, skb, o, lse, do, qidx: _bwd_loop(qb, kb, vb, sqb, skb, qidx, o, lse, do)
-  dq, dk, dv = _by_rows(bwd, rows, qidx, qb, kb, vb, sqb, skb, o, lse, do)
+  bwd = lambda qb, kb, vb, sqb, skb, o, lse, do: _bwd_loop(qb, kb, vb, sqb, skb, qidx, o, lse, do)
+  dq, dk, dv = _by_rows(bwd, rows, qb, kb, vb, sqb, skb, o, lse, do)
   return dq, dk, dv, None, None, None
 
 
