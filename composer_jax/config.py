@@ -215,6 +215,12 @@ class RLConfig:
   async_: bool = True  # YAML/override key `rl.async`: Ray rollout workers (rl/async_loop.py); false = sync loop
   max_staleness: int = 1  # versions a trajectory may lag the learner when trained on (older: re-sampled)
   num_workers: int = 1  # Ray rollout actors (1 CPU each)
+  # true: a worker plays every unit it holds in one decode batch (units of one group; a unit's
+  # episodes take the slots the earlier units' stragglers free). false: one unit of decode_batch
+  # episodes at a time, the batch draining at each unit's end, but a unit's episodes all start on the
+  # weights of its start. On 2 cores true dropped about twice the stale groups for no speed
+  # (docs/rl.md, "Work and queue").
+  worker_stream: bool = False
   ray_address: str = ""  # "" = start Ray locally; else join this cluster (e.g. "auto", "ray://h:10001")
   # Local Ray only: object store size in MiB, its pages faulted in at start (0 = Ray's default size,
   # pages faulted in by the puts themselves: a 64 MiB weight put then costs ~4-8 memcpys, not ~1.7).

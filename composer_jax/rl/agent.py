@@ -3,7 +3,9 @@
 ``RolloutRunner.run(jobs)`` plays many episodes at once. Every live episode holds one engine slot (its
 latent cache survives between turns, so only the new observation tokens are prefilled); one decode
 batch serves every episode that is generating, while the others wait on their tools in a thread pool;
-a finished episode frees its slot for the next job (continuous batching).
+a finished episode frees its slot for the next job (continuous batching). ``RolloutRunner.play(pull)``
+does the same for batches of jobs that keep arriving (an async rollout worker's units): the next
+batch's episodes take the slots that the last one's stragglers leave.
 
 The sequence a segment trains on is built from the engine's own ids: the prompt and each observation
 are encoded once with ``chat.encode_segments`` (exactly as SFT encodes them) and fed; the sampled ids
@@ -186,50 +188,92 @@ class RolloutRunner:
 
   def run(self, jobs: list[Job]) -> list[Rollout]:
     """Play every job; returns the rollouts in job order."""
-    t0 = time.perf_counter()
-    waiting = collections.deque(enumerate(jobs))
-    live: dict[Any, tuple[int, _Live]] = {}  # engine key -> (job index, live)
-    tooling: dict[Any, tuple[int, _Live]] = {}  # future -> (job index, live)
-    closing: dict[Any, tuple[int, _Live]] = {}  # grading future -> (job index, live)
-    done: dict[int, Rollout] = {}
+    out: list[list[Rollout]] = []
+    batches = [(jobs, out.append)]
+    self.play(lambda idle: [batches.pop()] if batches else None)
+    return out[0]
+
+  def play(self, pull) -> None:
+    """Play batches of jobs as they come (continuous batching across batches, so a batch's stragglers
+    never leave slots idle while the next one waits). ``pull(idle)`` returns a list of new ``(jobs,
+    on_done)`` batches ([] for none yet; it may block briefly when ``idle``, nothing being in
+    flight) or None once no more will come; ``on_done(rollouts)`` gets a batch's rollouts in job
+    order as soon as its last episode is graded. Returns when the feed is closed and all is done."""
+    waiting: collections.deque = collections.deque()  # (batch, job index, job)
+    live: dict[Any, tuple[tuple, _Live]] = {}  # engine key -> ((batch, job index), live)
+    tooling: dict[Any, tuple[tuple, _Live]] = {}  # future -> ((batch, job index), live)
+    closing: dict[Any, tuple[tuple, _Live]] = {}  # grading future -> ((batch, job index), live)
+    batches: dict[int, list] = {}  # batch -> [on_done, rollouts by job index, jobs left]
     slots = self.cfg.rl.decode_batch
     workers = max(1, self.cfg.env.workers)
-    with cf.ThreadPoolExecutor(workers) as pool:
-      def end(i, lv):
-        rollout = self._finish(lv)
-        closing[pool.submit(lv.episode.close)] = (i, lv)
-        return rollout
+    open_feed, n_batches = True, 0
 
-      while waiting or live or tooling or closing:
+    def busy():
+      return bool(waiting or live or tooling or closing)
+
+    def take(got):
+      nonlocal n_batches
+      for jobs, on_done in got:
+        b, n_batches = n_batches, n_batches + 1
+        batches[b] = [on_done, [None] * len(jobs), len(jobs)]
+        waiting.extend((b, i, job) for i, job in enumerate(jobs))
+        if not jobs:
+          batches.pop(b)[0]([])
+
+    def finished(where, rollout):
+      b, i = where
+      rec = batches[b]
+      rec[1][i], rec[2] = rollout, rec[2] - 1
+      if rec[2] == 0:
+        del batches[b]
+        rec[0](rec[1])
+
+    with cf.ThreadPoolExecutor(workers) as pool:
+      def end(where, lv):
+        self._finish(lv)
+        closing[pool.submit(lv.episode.close)] = (where, lv)
+
+      while True:
+        if open_feed:
+          got = pull(not busy())
+          if got is None:
+            open_feed = False
+          else:
+            take(got)
+        if not busy():
+          if open_feed:
+            continue
+          break
+        t0 = time.perf_counter()
         while waiting and len(live) + len(tooling) < slots:
-          i, job = waiting.popleft()
+          b, i, job = waiting.popleft()
           lv = self._start(job, pool)
-          live[lv.key] = (i, lv)
+          live[lv.key] = ((b, i), lv)
         if self.engine.busy():
           for gen in self.engine.step():
-            i, lv = live.pop(gen.key)
+            where, lv = live.pop(gen.key)
             what = self._on_generation(lv, gen, pool)
             if what == "tools":
-              tooling[lv.future] = (i, lv)
+              tooling[lv.future] = (where, lv)
             elif what == "next":
-              live[lv.key] = (i, lv)
+              live[lv.key] = (where, lv)
             else:
-              end(i, lv)
+              end(where, lv)
         ready = [f for f in list(tooling) + list(closing) if f.done()]
         if not ready and not self.engine.busy() and (tooling or closing):
-          ready = list(cf.wait(list(tooling) + list(closing),
+          # An open feed is polled between waits: a new batch may fill the free slots meanwhile.
+          ready = list(cf.wait(list(tooling) + list(closing), timeout=0.05 if open_feed else None,
                                return_when=cf.FIRST_COMPLETED).done)
         for f in ready:
           if f in closing:
-            i, lv = closing.pop(f)
+            where, lv = closing.pop(f)
             f.result()
-            done[i] = lv.rollout
+            self.stats["episodes"] += 1
+            finished(where, lv.rollout)
             continue
-          i, lv = tooling.pop(f)
+          where, lv = tooling.pop(f)
           if self._on_tools(lv) == "next":
-            live[lv.key] = (i, lv)
+            live[lv.key] = (where, lv)
           else:
-            end(i, lv)
-    self.stats["episodes"] += len(jobs)
-    self.stats["seconds"] += time.perf_counter() - t0
-    return [done[i] for i in range(len(jobs))]
+            end(where, lv)
+        self.stats["seconds"] += time.perf_counter() - t0  # time with work in hand

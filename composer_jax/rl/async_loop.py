@@ -48,7 +48,11 @@ class AsyncRLRun(RLRun):
     self.version = self.start
     self.buffer: list[tuple[int, list]] = []  # (group id, rollouts), arrival order
     self.counts = collections.Counter(dropped_stale=0)
-    self.per_unit = max(1, min(rl.tasks_per_step, rl.decode_batch // rl.group_size))
+    # rl.worker_stream: one group a unit (a worker plays all of its units in one decode batch, so
+    # bigger units would only hold finished groups back until their unit's last one is graded); else
+    # enough groups to fill the decode batch.
+    self.per_unit = (1 if rl.worker_stream else
+                     max(1, min(rl.tasks_per_step, rl.decode_batch // rl.group_size)))
     self.max_outstanding = rl.tasks_per_step * (rl.max_staleness + 1)
     self.worker_stats: dict[int, dict] = {}
     self.tokens_since, self.drafts_since = 0, [0, 0]  # drafts proposed, kept (rl.speculative_mtp)

@@ -2,9 +2,12 @@
 
 Each ``RolloutWorker`` is a Ray actor (1 CPU and, with ``rl.worker_devices``, its own accelerators:
 ``rl/worker_devices.py``) holding its own sampler engine, on a mesh over its devices, and
-environment pool (``RolloutRunner``, sandboxed: ``require_isolation`` as in the sync loop). It has
-two concurrency groups: ``rollouts`` runs one unit of work at a time (a few task groups played with
-continuous batching), ``weights`` takes broadcast messages while a unit runs. A message is the
+environment pool (``RolloutRunner``, sandboxed: ``require_isolation`` as in the sync loop). Its
+``units`` concurrency group takes units of work (a few task groups each): one at a time, or with
+``rl.worker_stream`` all at once, fed to one ``RolloutRunner.play`` on a thread of its own so that a
+unit's episodes take the decode slots the previous unit's stragglers leave (continuous batching
+across units); each ``run`` call returns when its own unit is done. ``weights`` takes broadcast
+messages meanwhile, and ``rollouts`` holds a gang's ``join`` and its followers' ``serve``. A message is the
 ``weights.Publisher`` chain of object-store refs (one put, many gets); the engine applies the newest
 chain *between decode steps* (``_SwapEngine.step``), so an episode may span versions and every token
 records the version that sampled it.
@@ -22,7 +25,9 @@ the checkpoint carries, so a resumed run neither loses nor repeats a task.
 from __future__ import annotations
 
 import collections
+import concurrent.futures as cf
 import os
+import queue
 import threading
 import time
 
@@ -120,9 +125,15 @@ class RolloutWorker:
     self.mailbox: list | None = None
     self.chains: dict[int, list] = {}  # a gang follower's chains by last version (``_weights_at``)
     self.engine = self.runner = None
-    self.busy_s = 0.0
-    self.busy = False
     self.swaps = 0
+    self.ready = threading.Event()  # set when _setup is done (a gang member: after ``join``)
+    self.start_lock = threading.Lock()
+    self.feed: queue.Queue = queue.Queue()  # units' (jobs, on_done) for the player thread
+    self.unit_lock = threading.Lock()  # rl.worker_stream=false: one unit at a time
+    self.pending: set = set()  # futures of the units handed to the player and not yet returned
+    self.player = None
+    self.failed: BaseException | None = None
+    self.reported = (0, 0, 0)  # engine (tokens, drafts, kept) already attributed to a unit
     self.scratch = None
     if member == 0:  # the episodes' files, in one folder a replacement sweeps if we are killed
       from composer_jax.env import scratch
@@ -181,6 +192,7 @@ class RolloutWorker:
     # which on CPU aliases them (the workers share one copy; the engine donates only its caches).
     self.rx = Receiver(get=ray.get, copy=False, want=want)
     self._RolloutRunner = RolloutRunner
+    self.ready.set()
 
   # -- weights group ------------------------------------------------------------------------------
 
@@ -190,6 +202,10 @@ class RolloutWorker:
         self.chains[chain[-1][0]] = chain
       else:
         self.mailbox = chain
+
+  @property
+  def busy(self) -> bool:
+    return bool(self.pending)
 
   def info(self) -> dict:
     rx = getattr(self, "rx", None)  # a gang member before ``join`` has none yet
@@ -268,35 +284,91 @@ class RolloutWorker:
       self.engine.replay(arrays, cmd["view"])
     follow({"engine": replay})
 
+  def _newest_weights(self) -> None:
+    """Swap in the newest weights; before the first ones (they travel in the other concurrency
+    group), wait for them."""
+    deadline = time.perf_counter() + 600
+    self._swap()
+    while self.engine is None:
+      if time.perf_counter() > deadline:
+        raise RuntimeError("rollout worker got work but no weights within 600 s")
+      time.sleep(0.02)
+      self._swap()
+
+  def _start_player(self) -> None:
+    """Once: the first weights, then the thread that plays every unit. Only that thread touches the
+    engine from then on (it swaps weights between decode steps)."""
+    with self.start_lock:
+      if self.player is not None:
+        return
+      self._newest_weights()
+      self.player = threading.Thread(target=self._play, name="rollouts", daemon=True)
+      self.player.start()
+
+  def _play(self) -> None:
+    def pull(idle: bool) -> list:
+      got = []
+      try:
+        got.append(self.feed.get(timeout=0.1) if idle else self.feed.get_nowait())
+        while True:
+          got.append(self.feed.get_nowait())
+      except queue.Empty:
+        return got
+
+    try:
+      self.runner.play(pull)
+    except BaseException as e:  # noqa: BLE001 -- every waiting unit raises it (the worker is replaced)
+      with self.start_lock:
+        self.failed = e
+        for f in list(self.pending):
+          if not f.done():
+            f.set_exception(e)
+
+  def _stream(self, jobs: list) -> list:
+    """The unit's jobs to the player thread (started on the first unit); its rollouts when done."""
+    self._start_player()
+    box: cf.Future = cf.Future()
+    with self.start_lock:
+      if self.failed is not None:
+        raise self.failed
+      self.pending.add(box)
+    try:
+      self.feed.put((jobs, box.set_result))
+      return box.result()
+    finally:
+      self.pending.discard(box)
+
+  def _alone(self, jobs: list) -> list:
+    """rl.worker_stream=false: the unit by itself, on the newest weights at its start."""
+    with self.unit_lock:
+      box = cf.Future()  # counted in ``pending`` (busy) while it plays
+      self.pending.add(box)
+      try:
+        self._newest_weights()
+        return self.runner.run(jobs)
+      finally:
+        self.pending.discard(box)
+
   def run(self, unit: list[tuple[int, int]]) -> dict:
     """Play ``group_size`` episodes of each (group id, task index); the rollouts per group id."""
     from composer_jax.rl.agent import Job
-    t0 = time.perf_counter()
-    self.busy = True
-    try:
-      self._swap()
-      deadline = time.perf_counter() + 600
-      while self.engine is None:  # the first weights travel in the other concurrency group
-        if time.perf_counter() > deadline:
-          raise RuntimeError("rollout worker got work but no weights within 600 s")
-        time.sleep(0.02)
-        self._swap()
-      g = self.cfg.rl.group_size
-      jobs = [Job(self.tasks[t], gid, s) for gid, t in unit for s in range(g)]
+    if not self.ready.wait(600):
+      raise RuntimeError("rollout worker got work but was not set up within 600 s")
+    g = self.cfg.rl.group_size
+    jobs = [Job(self.tasks[t], gid, s) for gid, t in unit for s in range(g)]
+    rollouts = self._stream(jobs) if self.cfg.rl.worker_stream else self._alone(jobs)
+    by_gid: dict[int, list] = {}
+    for r in rollouts:
+      by_gid.setdefault(r.group, []).append(r)
+    # The engine's counts since the last unit returned (units overlap: the sum over units is exact).
+    with self.lock:
       st = self.engine.stats
-      tokens0, drafts0, kept0 = st["tokens_decoded"], st["drafts"], st["drafts_kept"]
-      rollouts = self.runner.run(jobs)
-      by_gid: dict[int, list] = {}
-      for r in rollouts:
-        by_gid.setdefault(r.group, []).append(r)
-      tokens = st["tokens_decoded"] - tokens0
-      drafts, kept = st["drafts"] - drafts0, st["drafts_kept"] - kept0
-    finally:
-      self.busy = False
-      self.busy_s += time.perf_counter() - t0
+      now = (st["tokens_decoded"], st["drafts"], st["drafts_kept"])
+      tokens, drafts, kept = (a - b for a, b in zip(now, self.reported, strict=True))
+      self.reported = now
     return {"groups": by_gid, "worker": self.id, "tokens": int(tokens), "drafts": int(drafts),
             "drafts_kept": int(kept),
-            "busy_s": self.busy_s, "alive_s": time.perf_counter() - self.born,
+            "busy_s": self.runner.stats["seconds"], "alive_s": time.perf_counter() - self.born,
             "full_copies": self.rx.full_copies, "checksum_failures": self.rx.checksum_failures,
             "swaps": self.swaps, "devices": self.devices()}
 
@@ -306,6 +378,8 @@ class RolloutWorker:
 # --------------------------------------------------------------------------------------------------
 
 
+# Units one worker holds at once (each blocks a thread while the player plays it); more queue in Ray.
+UNIT_THREADS = 32
 MAX_UNIT_ERRORS = 3  # units that raise (not worker deaths) before the run stops on the error
 
 
@@ -362,7 +436,8 @@ class Orchestrator:
       ray.init(address=rl.ray_address or None, include_dashboard=False, log_to_driver=False,
                configure_logging=False, **({} if rl.ray_address else _local_ray(rl)))
     self.resources = actor_resources(cfg)
-    self.actor_cls = ray.remote(max_restarts=0, concurrency_groups={"weights": 1, "rollouts": 1},
+    self.actor_cls = ray.remote(max_restarts=0, concurrency_groups={"weights": 1, "rollouts": 1,
+                                                                  "units": UNIT_THREADS},
                                 **self.resources)(worker_cls or RolloutWorker)
     self.runtime_env = _runtime_env(cfg)
     # rl.broadcast_from=shards: the learner processes publish their own pieces (``send``).
@@ -449,7 +524,7 @@ class Orchestrator:
 
   def submit(self, unit: list[tuple[int, int]]) -> None:
     wid = min(self.workers, key=self.load)
-    ref = self.workers[wid].run.options(concurrency_group="rollouts").remote(unit)
+    ref = self.workers[wid].run.options(concurrency_group="units").remote(unit)
     self.inflight[ref] = (wid, unit)
 
   def worker_info(self) -> dict:

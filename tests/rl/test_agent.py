@@ -105,6 +105,49 @@ def test_runner_token_in_token_out_and_slots(tok, tasks):
 
 
 @needs_bwrap
+def test_play_admits_a_later_batch_into_the_slots_a_batch_frees(tok, tasks):
+  """``RolloutRunner.play`` (an async worker's units): a batch that arrives mid-run takes the slot
+  that a finished episode of the earlier batch frees, before that batch's straggler is done; each
+  batch's rollouts come back once, in job order, as soon as its last episode is graded."""
+  cfg = _cfg(decode_batch=2)
+  long_task, short_task = tasks
+  owner, submitted = {}, []
+
+  def script(req, n):
+    if req.key not in owner:
+      owner[req.key] = _first_user_task(req, tok, tasks)
+    if owner[req.key] is long_task and n < 5:  # five turns of tools before it submits
+      return format_call("view", {"path": "."})
+    return format_call("submit", {})
+
+  engine = ScriptedEngine(tok, script, n_slots=2)
+  engine_submit = engine.submit
+  engine.submit = lambda req: (submitted.append(req.key), engine_submit(req))[1]
+  runner = RolloutRunner(engine, tok, cfg)
+  done, pulls = [], []
+  feed = [[([Job(long_task, 0), Job(short_task, 1)], lambda rs: done.append(("first", rs)))],
+          [([Job(short_task, 2, 0), Job(short_task, 2, 1)], lambda rs: done.append(("second", rs)))]]
+
+  def pull(idle):
+    pulls.append(idle)
+    if feed:
+      return feed.pop(0)
+    return None if len(done) == 2 else []
+
+  runner.play(pull)
+  assert [name for name, _ in done] == ["second", "first"]  # the straggler finished last
+  second, first = done[0][1], done[1][1]
+  assert [(r.group, r.task_id) for r in first] == [(0, long_task.instance_id), (1, short_task.instance_id)]
+  assert [r.group for r in second] == [2, 2] and all(r.traj.submitted for r in first + second)
+  assert engine.max_held <= 2 and len(engine.released) == 4
+  # The later batch's first episode started while the long one still held its slot.
+  long_key, _, later_key, _ = owner  # episodes in the order they first asked for a turn
+  assert owner[long_key] is long_task
+  assert submitted.index(later_key) < len(submitted) - submitted[::-1].index(long_key) - 1
+  assert runner.stats["episodes"] == 4 and pulls[0] and not all(pulls)  # idle: nothing in flight
+
+
+@needs_bwrap
 def test_self_summarization_starts_a_new_segment(tok, tasks):
   cfg = _cfg(decode_batch=1, summary_trigger_tokens=1, max_summaries=1)
   task = tasks[0]

@@ -254,14 +254,17 @@ def test_async_run_survives_a_killed_worker(world):
   first unit; its unit is re-queued, a replacement joins, the run finishes. Every trained trajectory
   is within rl.max_staleness of the learner; the 4 tasks are each trained once (one epoch). Then a
   resumed run trains the tasks the checkpoint held as pending. The workers sample on a mesh of 2 fake
-  CPU devices (rl.worker_devices=2, the experts split over them): the replacement builds it too."""
+  CPU devices (rl.worker_devices=2, the experts split over them): the replacement builds it too.
+  The first run streams its units into one decode batch (rl.worker_stream), the resumed one plays
+  one unit at a time."""
   pytest.importorskip("ray")
   from composer_jax.rl.async_loop import AsyncRLRun
   root, init, tasks = world
   out = root / "async"
   cfg = load_config(None, MODEL + RL + [f"rl.tasks={tasks}", "rl.async=true", "rl.num_workers=1",
                                         "rl.max_staleness=1", "rl.full_sync_every=2", "rl.steps=2",
-                                        "rl.worker_devices=2", "rl.worker_mesh={expert: 2}"])
+                                        "rl.worker_devices=2", "rl.worker_mesh={expert: 2}",
+                                        "rl.worker_stream=true"])
   run = AsyncRLRun(cfg, str(out), init=init)
   try:
     run.top_up()

@@ -111,13 +111,14 @@ def test_a_gang_plays_like_one_worker_and_is_replaced_whole(world):
 
 def test_async_rl_on_a_gang(world):
   """Two learner steps with a 2 x 2 gang: the gang takes each new version between decode steps
-  (member 0 names it to the other in every call) and the run finishes."""
+  (member 0 names it to the other in every call) and the run finishes. Its units stream into one
+  decode batch (rl.worker_stream; the test above plays one unit at a time)."""
   pytest.importorskip("ray")
   from composer_jax.rl.async_loop import AsyncRLRun
   root, init, tasks = world
   out = root / "gang_rl"
   cfg = load_config(None, MODEL + RL + ASYNC + GANG + [f"rl.tasks={tasks}", "rl.steps=2",
-                                                       "rl.max_staleness=1"])
+                                                       "rl.max_staleness=1", "rl.worker_stream=true"])
   AsyncRLRun(cfg, str(out), init=init).run()
   with open(out / "metrics.jsonl") as f:
     recs = [json.loads(x) for x in f if x.strip()]
