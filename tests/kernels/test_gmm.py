@@ -247,6 +247,30 @@ def test_sorted_chunks_cover_every_level():
   np.testing.assert_allclose(np.asarray(dw), _np_tgmm(x, ct, sizes), rtol=1e-5, atol=2e-4)
 
 
+def test_sorted_chunks_when_one_top_chunk_is_most_of_the_rows():
+  """Few rows (a prefill's): the top chunk is over half the padded rows, so a group holds at most
+  one and the CPU loop takes it in a cond (gmm_sorted._over_chunks). One group with a top chunk and
+  the rest, the others smaller or empty: against float64 NumPy, forward and both gradients."""
+  from composer_jax.kernels import gmm_layout, gmm_sorted
+  rng = np.random.default_rng(4)
+  bm = 16
+  sizes = np.array([300, 0, 1, 17, 40], np.int32)
+  m = int(sizes.sum()) + 9
+  rows = gmm_layout.make_layout(jnp.asarray(sizes), m, bm).src.shape[0]
+  top = bm << gmm_sorted._levels(bm, rows)
+  assert 2 * top > rows and sizes[0] >= top  # the cond path, taken once
+  x = rng.standard_normal((m, 24)).astype(np.float32)
+  w = rng.standard_normal((len(sizes), 24, 40)).astype(np.float32)
+  ct = rng.standard_normal((m, 40)).astype(np.float32)
+  f = lambda a, b: gmm(a, b, jnp.asarray(sizes), impl="sorted", block_rows=bm)
+  y, dx, dw = _fwd_bwd(f)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ct))
+  used = np.concatenate([np.ones(int(sizes.sum())), np.zeros(9)])[:, None]
+  np.testing.assert_allclose(np.asarray(y), _np_gmm(x, w, sizes), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(dx), _np_gmm(ct, np.swapaxes(w, 1, 2), sizes) * used,
+                             rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(dw), _np_tgmm(x, ct, sizes), rtol=1e-5, atol=2e-4)
+
+
 def _blockwise_magnitudes(rng, shape, axis):
   """Random data whose 32-blocks along ``axis`` differ by up to 2^±12 (and per column for 3-D
   weights): a kernel applying a scale to the wrong k slice or column is off by orders of magnitude."""
