@@ -9,6 +9,8 @@ directly.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -84,7 +86,8 @@ class MLA(nnx.Module):
       # gathers the latent (kv_lora_rank + rope per token), expands K/V on each device and attends
       # block by block (O(s) memory per device; dense = the per-pair reference)
       w = self.kv_b.w[...].astype(self.kv_b.compute_dtype)
-      core = None if cfg.attention_impl == "dense" else blockwise_core
+      core = (None if cfg.attention_impl == "dense"
+              else functools.partial(blockwise_core, rows=cfg.attention_rows))
       o, top = context_attention(q_nope, q_pe, c.astype(w.dtype), k_pe, w, seg, self.scale,
                                  local=self._attend, with_max_logit=True, core=core,
                                  block=cfg.attention_block)

@@ -3,6 +3,7 @@ float64 NumPy reference."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -82,16 +83,19 @@ def test_matches_numpy(axes):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
 
 
-@pytest.mark.parametrize("axes", [{"context": 8}, {"data": 2, "context": 2, "tensor": 2}],
-                         ids=lambda a: "_".join(f"{k}{v}" for k, v in a.items()))
-def test_blockwise_core_matches_numpy(axes):
+@pytest.mark.parametrize("axes,rows", [({"context": 8}, None), ({"context": 8}, 1),
+                                       ({"data": 2, "context": 2, "tensor": 2}, None)],
+                         ids=lambda a: "_".join(f"{k}{v}" for k, v in a.items()) if isinstance(a, dict)
+                         else f"rows{a}")
+def test_blockwise_core_matches_numpy(axes, rows):
   """The model's blockwise kernel inside the balanced split (block 4: several tiles per half-chunk
-  where the half-chunk allows), output, max logit and gradients."""
+  where the half-chunk allows), output, max logit and gradients; with one visit plan for the batch
+  and with one per row (model.attention_rows, as the model hands it in)."""
   from composer_jax.model.attention import blockwise_core
   qn, qp, c, kp, w, seg = inputs()
   mesh = build_mesh(MeshConfig(**{"data": 1, **axes}))
-  fn = lambda *a: context_attention(*a, seg, SCALE, with_max_logit=True, core=blockwise_core,
-                                    block=4)
+  core = functools.partial(blockwise_core, rows=rows)
+  fn = lambda *a: context_attention(*a, seg, SCALE, with_max_logit=True, core=core, block=4)
   args = (qn, qp, c, kp, w)
   with activate(mesh, make_rules()):
     out, top = jax.jit(fn)(*args)
