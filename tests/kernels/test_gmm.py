@@ -226,6 +226,22 @@ def test_fp8_block_kernel_matches_dequantized_path():
     np.testing.assert_allclose(np.asarray(g_), np.asarray(w_), rtol=1e-5, atol=1e-4)
 
 
+def _sorted_matches_numpy(sizes, bm, rng, past=9):
+  """The sorted (CPU) gmm over ``sizes`` groups plus ``past`` rows past them: forward and both
+  gradients against float64 NumPy."""
+  m = int(sizes.sum()) + past
+  x = rng.standard_normal((m, 24)).astype(np.float32)
+  w = rng.standard_normal((len(sizes), 24, 40)).astype(np.float32)
+  ct = rng.standard_normal((m, 40)).astype(np.float32)
+  f = lambda a, b: gmm(a, b, jnp.asarray(sizes), impl="sorted", block_rows=bm)
+  y, dx, dw = _fwd_bwd(f)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ct))
+  used = np.concatenate([np.ones(int(sizes.sum())), np.zeros(past)])[:, None]
+  np.testing.assert_allclose(np.asarray(y), _np_gmm(x, w, sizes), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(dx), _np_gmm(ct, np.swapaxes(w, 1, 2), sizes) * used,
+                             rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(dw), _np_tgmm(x, ct, sizes), rtol=1e-5, atol=2e-4)
+
+
 def test_sorted_chunks_cover_every_level():
   """Groups spanning several top-size chunks plus every smaller power-of-two chunk, an empty group,
   a one-row group, and rows past the groups: the CPU loop's chunking against float64 NumPy."""
@@ -234,17 +250,7 @@ def test_sorted_chunks_cover_every_level():
   bm = 16
   top = gmm_sorted.MAX_CHUNK_ROWS
   sizes = np.array([2 * top + 15 * bm + 3, 0, 1, bm, top - 1, 5 * bm], np.int32)  # 7 + 1 + ... blocks
-  m = int(sizes.sum()) + 9
-  x = rng.standard_normal((m, 24)).astype(np.float32)
-  w = rng.standard_normal((len(sizes), 24, 40)).astype(np.float32)
-  ct = rng.standard_normal((m, 40)).astype(np.float32)
-  f = lambda a, b: gmm(a, b, jnp.asarray(sizes), impl="sorted", block_rows=bm)
-  y, dx, dw = _fwd_bwd(f)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ct))
-  used = np.concatenate([np.ones(int(sizes.sum())), np.zeros(9)])[:, None]
-  np.testing.assert_allclose(np.asarray(y), _np_gmm(x, w, sizes), rtol=1e-5, atol=1e-4)
-  np.testing.assert_allclose(np.asarray(dx), _np_gmm(ct, np.swapaxes(w, 1, 2), sizes) * used,
-                             rtol=1e-5, atol=1e-4)
-  np.testing.assert_allclose(np.asarray(dw), _np_tgmm(x, ct, sizes), rtol=1e-5, atol=2e-4)
+  _sorted_matches_numpy(sizes, bm, rng)
 
 
 def test_sorted_chunks_when_one_top_chunk_is_most_of_the_rows():
@@ -255,20 +261,10 @@ def test_sorted_chunks_when_one_top_chunk_is_most_of_the_rows():
   rng = np.random.default_rng(4)
   bm = 16
   sizes = np.array([300, 0, 1, 17, 40], np.int32)
-  m = int(sizes.sum()) + 9
-  rows = gmm_layout.make_layout(jnp.asarray(sizes), m, bm).src.shape[0]
+  rows = gmm_layout.make_layout(jnp.asarray(sizes), int(sizes.sum()) + 9, bm).src.shape[0]
   top = bm << gmm_sorted._levels(bm, rows)
   assert 2 * top > rows and sizes[0] >= top  # the cond path, taken once
-  x = rng.standard_normal((m, 24)).astype(np.float32)
-  w = rng.standard_normal((len(sizes), 24, 40)).astype(np.float32)
-  ct = rng.standard_normal((m, 40)).astype(np.float32)
-  f = lambda a, b: gmm(a, b, jnp.asarray(sizes), impl="sorted", block_rows=bm)
-  y, dx, dw = _fwd_bwd(f)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(ct))
-  used = np.concatenate([np.ones(int(sizes.sum())), np.zeros(9)])[:, None]
-  np.testing.assert_allclose(np.asarray(y), _np_gmm(x, w, sizes), rtol=1e-5, atol=1e-4)
-  np.testing.assert_allclose(np.asarray(dx), _np_gmm(ct, np.swapaxes(w, 1, 2), sizes) * used,
-                             rtol=1e-5, atol=1e-4)
-  np.testing.assert_allclose(np.asarray(dw), _np_tgmm(x, ct, sizes), rtol=1e-5, atol=2e-4)
+  _sorted_matches_numpy(sizes, bm, rng)
 
 
 def _blockwise_magnitudes(rng, shape, axis):
