@@ -3,11 +3,12 @@
 Each ``RolloutWorker`` is a Ray actor (1 CPU and, with ``rl.worker_devices``, its own accelerators:
 ``rl/worker_devices.py``) holding its own sampler engine, on a mesh over its devices, and
 environment pool (``RolloutRunner``, sandboxed: ``require_isolation`` as in the sync loop). Its
-``units`` concurrency group takes units of work (a few task groups each): one at a time, or with
-``rl.worker_stream`` all at once, fed to one ``RolloutRunner.play`` on a thread of its own so that a
-unit's episodes take the decode slots the previous unit's stragglers leave (continuous batching
-across units); each ``run`` call returns when its own unit is done. ``weights`` takes broadcast
-messages meanwhile, and ``rollouts`` holds a gang's ``join`` and its followers' ``serve``. A message is the
+``rollouts`` concurrency group runs one unit of work at a time (a few task groups played with
+continuous batching; also a gang's ``join`` and its followers' ``serve``). With ``rl.worker_stream``
+units go to the ``units`` group instead, which takes many at once and feeds them all to one
+``RolloutRunner.play`` on a thread of its own, so that a unit's episodes take the decode slots the
+previous unit's stragglers leave; each ``run`` call returns when its own unit is done. ``weights``
+takes broadcast messages meanwhile. A message is the
 ``weights.Publisher`` chain of object-store refs (one put, many gets); the engine applies the newest
 chain *between decode steps* (``_SwapEngine.step``), so an episode may span versions and every token
 records the version that sampled it.
@@ -129,7 +130,6 @@ class RolloutWorker:
     self.ready = threading.Event()  # set when _setup is done (a gang member: after ``join``)
     self.start_lock = threading.Lock()
     self.feed: queue.Queue = queue.Queue()  # units' (jobs, on_done) for the player thread
-    self.unit_lock = threading.Lock()  # rl.worker_stream=false: one unit at a time
     self.pending: set = set()  # futures of the units handed to the player and not yet returned
     self.player = None
     self.failed: BaseException | None = None
@@ -339,15 +339,15 @@ class RolloutWorker:
       self.pending.discard(box)
 
   def _alone(self, jobs: list) -> list:
-    """rl.worker_stream=false: the unit by itself, on the newest weights at its start."""
-    with self.unit_lock:
-      box = cf.Future()  # counted in ``pending`` (busy) while it plays
-      self.pending.add(box)
-      try:
-        self._newest_weights()
-        return self.runner.run(jobs)
-      finally:
-        self.pending.discard(box)
+    """rl.worker_stream=false: the unit by itself (the ``rollouts`` group runs one at a time), on the
+    newest weights at its start."""
+    box = cf.Future()  # counted in ``pending`` (busy) while it plays
+    self.pending.add(box)
+    try:
+      self._newest_weights()
+      return self.runner.run(jobs)
+    finally:
+      self.pending.discard(box)
 
   def run(self, unit: list[tuple[int, int]]) -> dict:
     """Play ``group_size`` episodes of each (group id, task index); the rollouts per group id."""
@@ -524,7 +524,9 @@ class Orchestrator:
 
   def submit(self, unit: list[tuple[int, int]]) -> None:
     wid = min(self.workers, key=self.load)
-    ref = self.workers[wid].run.options(concurrency_group="units").remote(unit)
+    # Streaming workers take many units at once; otherwise units queue in Ray's order, one at a time.
+    group = "units" if self.cfg.rl.worker_stream else "rollouts"
+    ref = self.workers[wid].run.options(concurrency_group=group).remote(unit)
     self.inflight[ref] = (wid, unit)
 
   def worker_info(self) -> dict:
