@@ -238,7 +238,7 @@ class RLConfig:
   worker_xla_flags: str = ""
   # Processes (hosts) of one rollout worker, each with worker_devices devices: a gang joined by
   # jax.distributed, one sampler mesh over all of them (worker_mesh spans hosts x devices); member 0
-  # plays the episodes, the others replay its model calls (rl/orchestrator.py). Needs rl.async=true.
+  # plays the episodes, the others replay its model calls (rl/rollout_worker.py). Needs rl.async=true.
   worker_hosts: int = 1
   # The learner job's own sampler (sync rollouts, evaluations): leader = process 0's devices, as a
   # worker's; mesh = the trainer's mesh over every process, for a policy larger than one host.

@@ -62,7 +62,7 @@ def broadcast_ratio(mb: int, n_workers: int, reps: int, warmup: int = 10, store_
 
   @ray.remote(num_cpus=0)
   class Worker:
-    """The rollout worker's own path (orchestrator._swap): Receiver.apply (get, decode; a hash
+    """The rollout worker's own path (rollout_worker._swap): Receiver.apply (get, decode; a hash
     check in delta mode) with the store's buffers as views, then weights.to_device of every tensor
     (on CPU it aliases the aligned buffers; the fraction of bytes aliased is returned)."""
 

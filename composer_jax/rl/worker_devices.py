@@ -8,7 +8,7 @@ sizes as in the ``mesh`` section; ``{}`` = every device on ``tensor``) and place
 tensor shard by shard with the trainer's rule table, so a policy larger than one device still
 decodes. ``worker_platform=cpu`` with N > 1 gives the actor N fake host devices: the path the tests
 take, the same code as on accelerators. With ``rl.worker_hosts=H > 1`` a worker is a gang of H such
-actors, one per host, joined by ``jax.distributed``: the mesh spans their H x N devices (``rl/orchestrator.py``). The learner process's own sampler (``RLRun.engine``: the
+actors, one per host, joined by ``jax.distributed``: the mesh spans their H x N devices (``rl/rollout_worker.py``). The learner process's own sampler (``RLRun.engine``: the
 sync loop's rollouts) and the evaluation engine (``rl.loop.load_policy`` / ``eval_run_dir``) use
 the same layout over their process's first N devices, unless ``rl.learner_sampler=mesh`` puts them
 on the trainer's mesh over every process (``learner_layout``).

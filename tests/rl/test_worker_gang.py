@@ -1,4 +1,4 @@
-"""A rollout worker spanning several processes (``rl.worker_hosts``, rl/orchestrator.py): two Ray
+"""A rollout worker spanning several processes (``rl.worker_hosts``, rl/rollout_worker.py): two Ray
 actors x 2 fake CPU devices joined by jax.distributed (gloo), one 4-device sampler mesh.
 
   * it plays a unit exactly as one actor over 4 devices on the same mesh does (the same episodes);
