@@ -8,12 +8,13 @@ ceiling 1 / (sync's share) that overlap cannot pass while the CPU work stays the
 work per step against sync's.
 
   python experiments/rl_async.py [--steps 4] [--workers 1] [--staleness 1] [--worker-cpus 1]
-      [--worker-xla-flags=--xla_cpu_multi_thread_eigen=false] [--note "..."]
+      [--worker-xla-flags=--xla_cpu_multi_thread_eigen=false] [--worker-nice 19] [--note "..."]
 
 ``--worker-cpus N`` times the async loop a second time with its workers pinned to N cores and the
 learner to the rest (``rl.worker_cpus``), against the same sync run, and writes ``..._pinned.json``;
 ``--worker-xla-flags`` gives the async run's workers XLA flags of their own (``rl.worker_xla_flags``)
-and writes ``..._worker_xla.json``.
+and writes ``..._worker_xla.json``; ``--worker-nice N`` runs them at nice N (``rl.worker_nice``) and
+adds ``_nice`` to the name.
 
 With ``--run DIR`` (a `composer-jax run` directory) it times the main job's RL instead: DIR's SFT
 policy, DIR's RL tasks and DIR's config with its ``run.rl_overrides``, but without dynamic sampling
@@ -96,6 +97,8 @@ def main(argv=None) -> int:
   ap.add_argument("--worker-xla-flags", default="",
                   help="rl.worker_xla_flags of the async run, e.g. "
                        "--worker-xla-flags=--xla_cpu_multi_thread_eigen=false")
+  ap.add_argument("--worker-nice", type=int, default=0,
+                  help="rl.worker_nice of the async run: workers below the learner's priority")
   ap.add_argument("--note", default="")
   ap.add_argument("--run", default="", help="time the RL stage of this `composer-jax run` directory")
   a = ap.parse_args(argv)
@@ -122,7 +125,7 @@ def main(argv=None) -> int:
   sync.rollout_file.close()
   sync_tok = sum(r["completion_tokens_mean"] * cfg_episodes(make) for r in sync_recs)
   res = {"run": a.run or None, "steps": a.steps, "workers": a.workers, "max_staleness": a.staleness,
-         "worker_xla_flags": a.worker_xla_flags,
+         "worker_xla_flags": a.worker_xla_flags, "worker_nice": a.worker_nice,
          "goal": ">= 1.3", "sync_wall_s": sync_s,
          "sync": {"rollout_s_frac": float(np.sum([r["rollout_s"] for r in sync_recs]) / sync_s),
                   "learn_s_frac": float(np.sum([r["learn_s"] for r in sync_recs]) / sync_s),
@@ -137,7 +140,8 @@ def main(argv=None) -> int:
   # The same async run with every process on every core, then (--worker-cpus N) pinned apart.
   for pin in [0] + ([a.worker_cpus] if a.worker_cpus else []):
     cfg = make(["rl.async=true", f"rl.num_workers={a.workers}", f"rl.max_staleness={a.staleness}",
-                f"rl.worker_cpus={pin}", f"rl.worker_xla_flags={a.worker_xla_flags}"])
+                f"rl.worker_cpus={pin}", f"rl.worker_xla_flags={a.worker_xla_flags}",
+                f"rl.worker_nice={a.worker_nice}"])
     run = AsyncRLRun(cfg, os.path.join(root, f"async{pin}"), init=init, log=quiet)
     try:
       async_s, recs, cpu = _timed(run, a.steps)
@@ -170,7 +174,7 @@ def main(argv=None) -> int:
           f"{cpu['busy_frac']:.2f}; async CPU work / sync {r['cpu_work_vs_sync']:.2f}")
   res["speedup"] = res["async"]["speedup"]
   write_result(("rl_async_main_job" if a.run else "rl_async") + ("_pinned" if a.worker_cpus else "")
-               + ("_worker_xla" if a.worker_xla_flags else ""), res)
+               + ("_worker_xla" if a.worker_xla_flags else "") + ("_nice" if a.worker_nice else ""), res)
   return 0
 
 

@@ -5,6 +5,10 @@ both are busy they preempt each other. With ``rl.worker_cpus=N`` the workers (an
 they start, which inherit the mask) keep to the last N cores of the process's CPU set and the
 learner to the rest. Linux only; elsewhere, or when the split would leave the learner no core,
 nothing is pinned. On 2 cores it did not pay (docs/rl.md, "Cores of their own"): off by default.
+
+``rl.worker_nice`` is the other way to keep them apart: the workers (and their sandboxes) run at a
+lower scheduling priority on the same cores, so the learner's threads take a core whenever they are
+runnable and the rollouts get what the learner leaves idle.
 """
 
 from __future__ import annotations
@@ -33,3 +37,17 @@ def pin_process(cpus) -> frozenset:
     except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
       pass
   return before
+
+
+def renice_process(nice: int) -> None:
+  """Raises the nice value of every thread of this process to ``nice`` (Linux keeps it per thread;
+  threads started later inherit their creator's). A thread already at or above it is left alone;
+  an unprivileged process cannot lower it again, so only worker processes call this."""
+  if nice <= 0 or not hasattr(os, "setpriority"):
+    return
+  for tid in os.listdir("/proc/self/task"):
+    try:
+      if os.getpriority(os.PRIO_PROCESS, int(tid)) < nice:
+        os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+    except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+      pass

@@ -1,4 +1,4 @@
-"""rl.worker_cpus: the learner and the local rollout workers on cores of their own."""
+"""rl.worker_cpus and rl.worker_nice: the learner and the local rollout workers kept apart on one machine."""
 
 from __future__ import annotations
 
@@ -92,3 +92,50 @@ def test_orchestrator_pins_workers_and_learner_and_gives_the_cores_back(monkeypa
     orch.shutdown()
   after = {tid: m for tid, m in _thread_masks().items() if tid in before}
   assert after and after == {tid: before[tid] for tid in after}  # (some threads have ended meanwhile)
+
+
+needs_nice = pytest.mark.skipif(not hasattr(os, "setpriority") or os.getpriority(os.PRIO_PROCESS, 0) != 0,
+                                reason="needs setpriority and a test run at nice 0")
+
+
+@needs_nice
+def test_a_rollout_worker_lowers_every_thread_to_rl_worker_nice():
+  """rl.worker_nice: the worker renices the threads it already has and those it starts later (XLA's
+  pool, the sandboxes' launcher); a subprocess, since an unprivileged process cannot renice back."""
+  code = """
+import os, threading
+from composer_jax.config import load_config
+from composer_jax.rl.rollout_worker import RolloutWorker
+go = threading.Event()
+t = threading.Thread(target=go.wait, daemon=True); t.start()  # a thread older than the worker
+# A gang member: nothing touches JAX before its ``join``, so the constructor is all there is.
+cfg = load_config(None, ["rl.worker_nice=7", "rl.worker_hosts=2", "rl.worker_devices=1",
+                        "rl.learner_sampler=mesh"])
+w = RolloutWorker(cfg.to_dict(), "", 0, 0, member=1)
+nices = {tid: os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")}
+late = []
+t2 = threading.Thread(target=lambda: late.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+t2.start(); t2.join(); go.set(); t.join()
+assert len(nices) >= 2 and set(nices.values()) == {7}, nices
+assert late == [7], late
+print("ok")
+"""
+  out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+  with pytest.raises(ConfigError, match="rl.worker_nice"):
+    load_config(None, ["rl.worker_nice=20"])
+
+
+@needs_nice
+def test_renice_process_never_lowers_a_thread_and_zero_is_off():
+  code = """
+import os
+from composer_jax.rl.cpus import renice_process
+renice_process(0)
+assert os.getpriority(os.PRIO_PROCESS, 0) == 0
+renice_process(5); renice_process(3)  # 3 would need privilege to go back to; it stays at 5
+assert os.getpriority(os.PRIO_PROCESS, 0) == 5
+print("ok")
+"""
+  out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
