@@ -228,9 +228,10 @@ class RLConfig:
   # Local Ray only: the last N cores for the rollout workers and their sandboxes, the rest for the
   # learner, each pinned there (rl/cpus.py); 0 = no pinning (on 2 cores no gain: docs/rl.md).
   worker_cpus: int = 0
-  # The rollout workers' nice value (0-19; 0 = the learner's priority): workers sharing the learner's
-  # cores then take only what the learner leaves idle, and their sandboxes inherit it (rl/cpus.py).
-  worker_nice: int = 0
+  # The rollout workers' scheduling priority on cores they share with the learner (rl/cpus.py; their
+  # sandboxes inherit it): normal = the learner's; low = nice 19; idle = SCHED_IDLE, run only on a
+  # core nothing else wants, and preempted at once when a learner thread wakes (docs/rl.md).
+  worker_priority: Literal["normal", "low", "idle"] = "normal"
   # Each sampler's devices (rl/worker_devices.py): 0 = one CPU device; N = N of worker_platform, Ray
   # reserving them per worker; worker_mesh: axis sizes over them ({} = all on tensor), e.g. {expert: 8}.
   worker_devices: int = 0

@@ -123,7 +123,6 @@ def validate(cfg: Config) -> None:
   _require(r.object_store_mb == 0 or r.object_store_mb >= 75, f"rl.object_store_mb={r.object_store_mb}: "
            "Ray's object store needs at least 75 MiB; give >= 75, or 0 for Ray's default")
   _require(r.worker_cpus >= 0, f"rl.worker_cpus={r.worker_cpus} must be >= 0 (0 = no pinning)")
-  _require(0 <= r.worker_nice <= 19, f"rl.worker_nice={r.worker_nice} must be in 0..19 (a nice value)")
   from composer_jax.rl import worker_devices
   worker_devices.check(cfg)
   for name in ("tasks_per_step", "minibatches", "epochs", "decode_batch", "max_new_tokens", "num_workers",

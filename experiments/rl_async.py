@@ -8,18 +8,22 @@ ceiling 1 / (sync's share) that overlap cannot pass while the CPU work stays the
 work per step against sync's.
 
   python experiments/rl_async.py [--steps 4] [--workers 1] [--staleness 1] [--worker-cpus 1]
-      [--worker-xla-flags=--xla_cpu_multi_thread_eigen=false] [--worker-nice 19] [--note "..."]
+      [--worker-xla-flags=--xla_cpu_multi_thread_eigen=false] [--worker-priority idle] [--note "..."]
 
 ``--worker-cpus N`` times the async loop a second time with its workers pinned to N cores and the
 learner to the rest (``rl.worker_cpus``), against the same sync run, and writes ``..._pinned.json``;
 ``--worker-xla-flags`` gives the async run's workers XLA flags of their own (``rl.worker_xla_flags``)
-and writes ``..._worker_xla.json``; ``--worker-nice N`` runs them at nice N (``rl.worker_nice``) and
-adds ``_nice`` to the name.
+and writes ``..._worker_xla.json``; ``--worker-priority low|idle`` runs them below the learner
+(``rl.worker_priority``) and adds ``_low`` or ``_idle`` to the name.
 
 With ``--run DIR`` (a `composer-jax run` directory) it times the main job's RL instead: DIR's SFT
 policy, DIR's RL tasks and DIR's config with its ``run.rl_overrides``, but without dynamic sampling
 and the family curriculum, so that both loops sample the same number of episodes of the same tasks
 a step -> results/rl_async_main_job.json.
+
+Both loops use JAX's persistent compilation cache, as every `composer-jax` command does
+(``cli.compile_cache_env``), so a length bucket first met in a timed step costs what it costs in the
+main job; ``--cold`` turns the cache off (before stop 54 the benchmark ran without it).
 """
 
 from __future__ import annotations
@@ -66,6 +70,11 @@ def _world(root: str) -> tuple[str, str]:
   return init, tasks
 
 
+def _slots(recs) -> int:
+  """Token slots the learner computed over these steps (rows x row length, padding included)."""
+  return sum(r["learner_rows"] * r["learner_row_length"] for r in recs)
+
+
 def cfg_episodes(make) -> int:
   rl = make([]).rl
   return rl.tasks_per_step * rl.group_size
@@ -97,11 +106,20 @@ def main(argv=None) -> int:
   ap.add_argument("--worker-xla-flags", default="",
                   help="rl.worker_xla_flags of the async run, e.g. "
                        "--worker-xla-flags=--xla_cpu_multi_thread_eigen=false")
-  ap.add_argument("--worker-nice", type=int, default=0,
-                  help="rl.worker_nice of the async run: workers below the learner's priority")
+  ap.add_argument("--worker-priority", default="normal",
+                  help="rl.worker_priority of the async run (normal, low or idle); a comma list "
+                       "times one async run per value against the same sync run")
+  ap.add_argument("--cold", action="store_true", help="no persistent compilation cache")
   ap.add_argument("--note", default="")
   ap.add_argument("--run", default="", help="time the RL stage of this `composer-jax run` directory")
   a = ap.parse_args(argv)
+  prios = a.worker_priority.split(",")
+  if not set(prios) <= {"normal", "low", "idle"}:
+    ap.error(f"--worker-priority={a.worker_priority}: each value must be normal, low or idle")
+  from composer_jax.cli import compile_cache_env
+  if a.cold:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = ""
+  compile_cache_env(os.environ)  # before jax is imported; the Ray workers inherit it
   from composer_jax.config import load_config
   from composer_jax.recipe import Recipe, sft_policy
   from composer_jax.rl.async_loop import AsyncRLRun
@@ -125,30 +143,34 @@ def main(argv=None) -> int:
   sync.rollout_file.close()
   sync_tok = sum(r["completion_tokens_mean"] * cfg_episodes(make) for r in sync_recs)
   res = {"run": a.run or None, "steps": a.steps, "workers": a.workers, "max_staleness": a.staleness,
-         "worker_xla_flags": a.worker_xla_flags, "worker_nice": a.worker_nice,
+         "worker_xla_flags": a.worker_xla_flags, "worker_priority": prios,
+         "compile_cache": os.environ["JAX_COMPILATION_CACHE_DIR"] or None,
          "goal": ">= 1.3", "sync_wall_s": sync_s,
          "sync": {"rollout_s_frac": float(np.sum([r["rollout_s"] for r in sync_recs]) / sync_s),
                   "learn_s_frac": float(np.sum([r["learn_s"] for r in sync_recs]) / sync_s),
                   "trained_tokens_per_s": sync_tok / sync_s,
                   "wall_s": [round(r["wall_s"], 2) for r in sync_recs],
                   "rollout_s": [round(r["rollout_s"], 2) for r in sync_recs],
-                  "learn_s": [round(r["learn_s"], 2) for r in sync_recs], "cpu": sync_cpu},
+                  "learn_s": [round(r["learn_s"], 2) for r in sync_recs],
+                  "row_length": [r["learner_row_length"] for r in sync_recs],
+                  "learner_slots_per_s": _slots(sync_recs) / sync_s, "cpu": sync_cpu},
          # What limits async on this machine: it can only fill the cores the sync loop leaves idle.
          # Doing the same CPU work, it cannot beat sync by more than 1 / sync's busy fraction.
          "cpu_ceiling_speedup": 1.0 / max(sync_cpu["busy_frac"], 1e-9),
          "note": a.note}
-  # The same async run with every process on every core, then (--worker-cpus N) pinned apart.
-  for pin in [0] + ([a.worker_cpus] if a.worker_cpus else []):
+  # The async run with every process on every core at each priority, then (--worker-cpus N) pinned.
+  variants = [(0, p) for p in prios] + ([(a.worker_cpus, prios[0])] if a.worker_cpus else [])
+  for i, (pin, prio) in enumerate(variants):
     cfg = make(["rl.async=true", f"rl.num_workers={a.workers}", f"rl.max_staleness={a.staleness}",
                 f"rl.worker_cpus={pin}", f"rl.worker_xla_flags={a.worker_xla_flags}",
-                f"rl.worker_nice={a.worker_nice}"])
-    run = AsyncRLRun(cfg, os.path.join(root, f"async{pin}"), init=init, log=quiet)
+                f"rl.worker_priority={prio}"])
+    run = AsyncRLRun(cfg, os.path.join(root, f"async{i}"), init=init, log=quiet)
     try:
       async_s, recs, cpu = _timed(run, a.steps)
     finally:
       run.orch.shutdown()
     res.update(tasks_per_step=cfg.rl.tasks_per_step, group_size=cfg.rl.group_size, epochs=cfg.rl.epochs)
-    key = "async" if not pin else f"async_worker_cpus_{pin}"
+    key = "async" if i == 0 else f"async_worker_cpus_{pin}" if pin else f"async_{prio}"
     res[key] = {
         "wall_s": async_s, "speedup": sync_s / async_s,
         # Without the first timed step: the sync engine's first rollout after a weight update
@@ -163,7 +185,12 @@ def main(argv=None) -> int:
         "dropped_stale": int(recs[-1]["dropped_stale"]),
         "step_wall_s": [round(r["wall_s"], 2) for r in recs],
         "wait_s": [round(r["rollout_s"], 2) for r in recs],
-        "learn_s": [round(r["learn_s"], 2) for r in recs], "cpu": cpu,
+        "learn_s": [round(r["learn_s"], 2) for r in recs],
+        # The learner's work follows its rows' length bucket (768-1536 tokens: 12-44 s a step on the
+        # main job), which each loop's own samples set; slots/s compares the work actually done.
+        "row_length": [r["learner_row_length"] for r in recs],
+        "learner_slots_per_s": _slots(recs) / async_s,
+        "slots_speedup": (_slots(recs) / async_s) / max(_slots(sync_recs) / sync_s, 1e-9), "cpu": cpu,
         # > 1: the overlapped processes did more CPU work for the same steps (contention, spinning)
         "cpu_work_vs_sync": cpu["busy_core_s_per_step"] / max(sync_cpu["busy_core_s_per_step"], 1e-9)}
     r = res[key]
@@ -171,10 +198,13 @@ def main(argv=None) -> int:
           f"(steady {r['speedup_steady']:.2f}x); learner idle {r['learner_idle_frac']:.2f}, rollout idle "
           f"{r['rollout_idle_frac']:.2f}, rollout {r['rollout_tokens_per_s']:.1f} tok/s; cores busy: "
           f"sync {sync_cpu['busy_frac']:.2f} (ceiling {res['cpu_ceiling_speedup']:.2f}x), async "
-          f"{cpu['busy_frac']:.2f}; async CPU work / sync {r['cpu_work_vs_sync']:.2f}")
+          f"{cpu['busy_frac']:.2f}; async CPU work / sync {r['cpu_work_vs_sync']:.2f}; learner "
+          f"token slots/s async / sync {r['slots_speedup']:.2f}x (row lengths: sync "
+          f"{res['sync']['row_length']}, async {r['row_length']})")
   res["speedup"] = res["async"]["speedup"]
   write_result(("rl_async_main_job" if a.run else "rl_async") + ("_pinned" if a.worker_cpus else "")
-               + ("_worker_xla" if a.worker_xla_flags else "") + ("_nice" if a.worker_nice else ""), res)
+               + ("_worker_xla" if a.worker_xla_flags else "")
+               + "".join("" if p == "normal" else "_" + p for p in prios), res)
   return 0
 
 

@@ -6,9 +6,9 @@ they start, which inherit the mask) keep to the last N cores of the process's CP
 learner to the rest. Linux only; elsewhere, or when the split would leave the learner no core,
 nothing is pinned. On 2 cores it did not pay (docs/rl.md, "Cores of their own"): off by default.
 
-``rl.worker_nice`` is the other way to keep them apart: the workers (and their sandboxes) run at a
-lower scheduling priority on the same cores, so the learner's threads take a core whenever they are
-runnable and the rollouts get what the learner leaves idle.
+``rl.worker_priority`` is the other way to keep them apart: the workers (and their sandboxes) run at
+a lower scheduling priority on the same cores, so the learner's threads take a core whenever they
+are runnable and the rollouts get what the learner leaves idle.
 """
 
 from __future__ import annotations
@@ -39,15 +39,20 @@ def pin_process(cpus) -> frozenset:
   return before
 
 
-def renice_process(nice: int) -> None:
-  """Raises the nice value of every thread of this process to ``nice`` (Linux keeps it per thread;
-  threads started later inherit their creator's). A thread already at or above it is left alone;
-  an unprivileged process cannot lower it again, so only worker processes call this."""
-  if nice <= 0 or not hasattr(os, "setpriority"):
+
+def lower_priority(priority: str) -> None:
+  """Every thread of this process to ``priority`` ("normal" leaves them alone; "low": nice 19;
+  "idle": SCHED_IDLE). Linux keeps both per thread, and threads and processes started later inherit
+  their creator's. An unprivileged process cannot raise them again, so only worker processes call
+  this. Under EEVDF a woken nice-0 thread may still wait out a nice-19 thread's slice (~3 ms), while
+  a SCHED_IDLE thread is preempted on the wakeup itself."""
+  if priority == "normal" or not hasattr(os, "sched_setscheduler"):
     return
   for tid in os.listdir("/proc/self/task"):
     try:
-      if os.getpriority(os.PRIO_PROCESS, int(tid)) < nice:
-        os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+      if priority == "idle":
+        os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+      elif os.getpriority(os.PRIO_PROCESS, int(tid)) < 19:
+        os.setpriority(os.PRIO_PROCESS, int(tid), 19)
     except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
       pass

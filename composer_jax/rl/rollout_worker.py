@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 
-from composer_jax.rl.cpus import pin_process, renice_process
+from composer_jax.rl.cpus import lower_priority, pin_process
 
 
 def _swap_engine_class():
@@ -59,7 +59,7 @@ class RolloutWorker:
     from composer_jax.config import from_dict
     self.born = time.perf_counter()
     self.cfg = from_dict(cfg_dict)
-    renice_process(self.cfg.rl.worker_nice)  # before XLA's threads, which inherit it
+    lower_priority(self.cfg.rl.worker_priority)  # before XLA's threads, which inherit it
     self.tok_path, self.id, self.seed, self.member = tok_path, worker_id, seed, member
     self.lock = threading.Lock()
     self.mailbox: list | None = None

@@ -1,4 +1,4 @@
-"""rl.worker_cpus and rl.worker_nice: the learner and the local rollout workers kept apart on one machine."""
+"""rl.worker_cpus and rl.worker_priority: the learner and the local rollout workers kept apart on one machine."""
 
 from __future__ import annotations
 
@@ -94,14 +94,18 @@ def test_orchestrator_pins_workers_and_learner_and_gives_the_cores_back(monkeypa
   assert after and after == {tid: before[tid] for tid in after}  # (some threads have ended meanwhile)
 
 
-needs_nice = pytest.mark.skipif(not hasattr(os, "setpriority") or os.getpriority(os.PRIO_PROCESS, 0) != 0,
-                                reason="needs setpriority and a test run at nice 0")
+
+needs_sched = pytest.mark.skipif(
+    not hasattr(os, "sched_setscheduler") or os.getpriority(os.PRIO_PROCESS, 0) != 0
+    or os.sched_getscheduler(0) != os.SCHED_OTHER,
+    reason="needs Linux scheduling policies and a test run at normal priority")
 
 
-@needs_nice
-def test_a_rollout_worker_lowers_every_thread_to_rl_worker_nice():
-  """rl.worker_nice: the worker renices the threads it already has and those it starts later (XLA's
-  pool, the sandboxes' launcher); a subprocess, since an unprivileged process cannot renice back."""
+@needs_sched
+def test_a_rollout_worker_puts_every_thread_at_rl_worker_priority():
+  """rl.worker_priority=idle: the worker moves the threads it already has and those it starts later
+  (XLA's pool, the sandboxes' launcher) to SCHED_IDLE; a subprocess, since an unprivileged process
+  cannot come back."""
   code = """
 import os, threading
 from composer_jax.config import load_config
@@ -109,32 +113,34 @@ from composer_jax.rl.rollout_worker import RolloutWorker
 go = threading.Event()
 t = threading.Thread(target=go.wait, daemon=True); t.start()  # a thread older than the worker
 # A gang member: nothing touches JAX before its ``join``, so the constructor is all there is.
-cfg = load_config(None, ["rl.worker_nice=7", "rl.worker_hosts=2", "rl.worker_devices=1",
+cfg = load_config(None, ["rl.worker_priority=idle", "rl.worker_hosts=2", "rl.worker_devices=1",
                         "rl.learner_sampler=mesh"])
 w = RolloutWorker(cfg.to_dict(), "", 0, 0, member=1)
-nices = {tid: os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")}
+pols = {tid: os.sched_getscheduler(int(tid)) for tid in os.listdir("/proc/self/task")}
 late = []
-t2 = threading.Thread(target=lambda: late.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+t2 = threading.Thread(target=lambda: late.append(os.sched_getscheduler(threading.get_native_id())))
 t2.start(); t2.join(); go.set(); t.join()
-assert len(nices) >= 2 and set(nices.values()) == {7}, nices
-assert late == [7], late
+child = os.popen("chrt -p $$").read() if os.path.exists("/usr/bin/chrt") else "SCHED_IDLE"
+assert len(pols) >= 2 and set(pols.values()) == {os.SCHED_IDLE}, pols
+assert late == [os.SCHED_IDLE], late
+assert "SCHED_IDLE" in child, child  # a process it starts (a sandbox) inherits it
 print("ok")
 """
   out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
-  with pytest.raises(ConfigError, match="rl.worker_nice"):
-    load_config(None, ["rl.worker_nice=20"])
+  with pytest.raises(ConfigError, match="rl.worker_priority"):
+    load_config(None, ["rl.worker_priority=lowest"])
 
 
-@needs_nice
-def test_renice_process_never_lowers_a_thread_and_zero_is_off():
+@needs_sched
+def test_low_priority_is_nice_19_and_normal_leaves_threads_alone():
   code = """
 import os
-from composer_jax.rl.cpus import renice_process
-renice_process(0)
-assert os.getpriority(os.PRIO_PROCESS, 0) == 0
-renice_process(5); renice_process(3)  # 3 would need privilege to go back to; it stays at 5
-assert os.getpriority(os.PRIO_PROCESS, 0) == 5
+from composer_jax.rl.cpus import lower_priority
+lower_priority("normal")
+assert os.getpriority(os.PRIO_PROCESS, 0) == 0 and os.sched_getscheduler(0) == os.SCHED_OTHER
+lower_priority("low")
+assert os.getpriority(os.PRIO_PROCESS, 0) == 19 and os.sched_getscheduler(0) == os.SCHED_OTHER
 print("ok")
 """
   out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
