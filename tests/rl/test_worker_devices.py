@@ -52,18 +52,21 @@ def test_a_bad_worker_layout_is_refused_in_one_line(overrides, match):
 
 
 def test_actor_resources_and_environment():
-  cpu = load_config("configs/tiny.yaml")
+  shipped = load_config("configs/tiny.yaml")  # its workers' own XLA flags, never the learner's
+  assert WD.actor_env(shipped) == {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": shipped.rl.worker_xla_flags}
+  plain = ["rl.worker_xla_flags="]
+  cpu = load_config("configs/tiny.yaml", plain)
   assert WD.actor_resources(cpu) == {"num_cpus": 1}
   assert WD.actor_env(cpu) == {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # the learner's flags stay out
   assert WD.mesh_sizes(cpu)["tensor"] == 1 and WD.sampler_mesh(cpu) is None
-  gpu = load_config("configs/tiny.yaml", ["rl.worker_devices=8", "rl.worker_platform=gpu",
-                                          "rl.worker_mesh={expert: -1, tensor: 2}"])
+  gpu = load_config("configs/tiny.yaml", plain + ["rl.worker_devices=8", "rl.worker_platform=gpu",
+                                                  "rl.worker_mesh={expert: -1, tensor: 2}"])
   assert WD.actor_resources(gpu) == {"num_cpus": 1, "num_gpus": 8}
   assert WD.actor_env(gpu) == {"JAX_PLATFORMS": "cuda", "XLA_FLAGS": ""}
   assert WD.mesh_sizes(gpu) == {"data": 1, "fsdp": 1, "expert": 4, "context": 1, "tensor": 2}
-  tpu = load_config("configs/tiny.yaml", ["rl.worker_devices=4", "rl.worker_platform=tpu"])
+  tpu = load_config("configs/tiny.yaml", plain + ["rl.worker_devices=4", "rl.worker_platform=tpu"])
   assert WD.actor_resources(tpu) == {"num_cpus": 1, "resources": {"TPU": 4}}
-  fake = load_config("configs/tiny.yaml", ["rl.worker_devices=2"])
+  fake = load_config("configs/tiny.yaml", plain + ["rl.worker_devices=2"])
   assert WD.actor_env(fake)["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
   own = load_config("configs/tiny.yaml", ["rl.worker_devices=2",
                                           "rl.worker_xla_flags=--xla_cpu_multi_thread_eigen=false"])
