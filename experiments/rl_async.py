@@ -8,13 +8,14 @@ ceiling 1 / (sync's share) that overlap cannot pass while the CPU work stays the
 work per step against sync's.
 
   python experiments/rl_async.py [--steps 4] [--workers 1] [--staleness 1] [--worker-cpus 1]
-      [--worker-xla-flags=--xla_cpu_multi_thread_eigen=false] [--worker-priority idle] [--note "..."]
+      [--worker-xla-flags=--xla_cpu_multi_thread_eigen=false] [--worker-priority idle,normal,low] [--note "..."]
 
 ``--worker-cpus N`` times the async loop a second time with its workers pinned to N cores and the
 learner to the rest (``rl.worker_cpus``), against the same sync run, and writes ``..._pinned.json``;
 ``--worker-xla-flags`` gives the async run's workers XLA flags of their own (``rl.worker_xla_flags``)
-and writes ``..._worker_xla.json``; ``--worker-priority low|idle`` runs them below the learner
-(``rl.worker_priority``) and adds ``_low`` or ``_idle`` to the name.
+and writes ``..._worker_xla.json``; ``--worker-priority`` (a comma list of normal, low and idle) times one
+async run per value against the same sync run (``rl.worker_priority``) and adds ``_low`` / ``_idle``
+to the name.
 
 With ``--run DIR`` (a `composer-jax run` directory) it times the main job's RL instead: DIR's SFT
 policy, DIR's RL tasks and DIR's config with its ``run.rl_overrides``, but without dynamic sampling
