@@ -365,9 +365,10 @@ class RunConfig:
   # (env/expert.py): a flawed edit (not trained on), the failing tests, the fix. SFT learns to act
   # on a failing test run and not to submit regardless.
   expert_recover: float = 0.0
-  # How a recovery run repairs its flaw: "fix" edits the flawed lines into the reference; "redo"
-  # undoes the flawed file's edits and repeats its sound edits (the first try's calls, done right).
-  expert_recover_by: Literal["fix", "redo"] = "fix"
+  # How a recovery run repairs its flaw: "fix" edits the flawed lines into the reference; "review"
+  # views the flawed file again, then fixes it; "redo" undoes the flawed file's edits and repeats its
+  # sound edits (the first try's calls, done right).
+  expert_recover_by: Literal["fix", "review", "redo"] = "fix"
   task_seed: int = 1
   # A base model the pretraining stage continues from (an HF folder, a `convert --from-hf` folder
   # or a training run; its tokenizer.json when it has one), as Composer continues from Kimi K2.

@@ -8,6 +8,7 @@ import os
 import sys
 
 from composer_jax.config import ConfigError, load_config
+from composer_jax.env.expert import RECOVER_BY
 
 
 def _common(p: argparse.ArgumentParser, positional: bool = True) -> None:
@@ -75,9 +76,10 @@ def register(subparsers) -> None:
                    help="for this share of the tasks, write instead of the sound run one that fixes a "
                         "flawed edit after its failing test run (marked \"recovered\": true; the "
                         "flawed turn untrained)")
-  exp.add_argument("--recover-by", choices=("fix", "redo"), default="fix",
-                   help="a recovery run's repair: edit the flawed lines (fix), or undo the flawed "
-                        "file's edits and make its sound edits again (redo)")
+  exp.add_argument("--recover-by", choices=RECOVER_BY, default="fix",
+                   help="a recovery run's repair: edit the flawed lines (fix), view the flawed file "
+                        "again and then edit them (review), or undo the flawed file's edits and "
+                        "make its sound edits again (redo)")
   exp.add_argument("--seed", type=int, default=0, help="draws the flaws")
   _common(exp)
   exp.set_defaults(func=_tasks_expert)

@@ -18,8 +18,9 @@ which is what RL is for: the reward tells the two apart and nothing else does (d
 
 ``recover`` (a share of the tasks) writes *recovery* runs in place of their sound runs: the flawed
 plan, the failing test run, then the repair, the tests again and submit. The repair (``recover_by``)
-is the fix of the flawed lines (``edit_calls`` from the flawed file to the reference), or with
-"redo" an ``undo`` of each of the flawed file's edits and that file's sound edits once more. The
+is the fix of the flawed lines (``edit_calls`` from the flawed file to the reference); with "review"
+the same fix after a fresh ``view`` of the flawed file, so the lines it copies sit just above it; or
+with "redo" an ``undo`` of each of the flawed file's edits and that file's sound edits once more. The
 flawed edit's turn is marked ``"train": false`` (``chat.render_segments`` leaves it out of the
 loss), so SFT teaches what to do after a failing test and never the flaw. The plain expert passes
 its tests at once, and a policy trained only on it submitted after a failing run every time
@@ -41,9 +42,11 @@ from composer_jax.env.synthetic.runner import RUNNER_PATH
 from composer_jax.env.tasks import Task, read_text
 
 TEST_COMMAND = f"python {RUNNER_PATH}"
-# How a recovery run repairs the flaw: "fix" edits the flawed lines into the reference; "redo" undoes
-# the flawed file's edits and makes its sound edits again (the same calls as the first, correct try).
-RECOVER_BY = ("fix", "redo")
+# How a recovery run repairs the flaw: "fix" edits the flawed lines into the reference; "review" views
+# the flawed file again first (the tiny policy's retries failed copying lines from far back in its
+# context: docs/rl_tiny.md, "Recovery runs again"); "redo" undoes the flawed file's edits and makes its
+# sound edits again (the same calls as the first, correct try).
+RECOVER_BY = ("fix", "review", "redo")
 
 
 def edit_calls(before: str, after: str) -> list[tuple[str, dict]]:
@@ -155,6 +158,8 @@ class ExpertPolicy:
     if self.run_tests:
       turns.append(format_call("terminal", {"command": TEST_COMMAND}))
     if self.recover and fixed is not None:
+      if self.recover_by == "review":
+        turns.append(format_call("view", {"path": fixed[0]}))
       turns += [_calls(*fixed), format_call("terminal", {"command": TEST_COMMAND})]
     turns.append(format_call("submit", {}))
     self.plan = turns

@@ -89,18 +89,21 @@ def test_flawed_runs_fail_and_differ_from_the_sound_run_in_one_edit(level_tasks,
   assert rep["summary"]["pass_rate"] == 1.0  # the summary is of the sound runs
 
 
+@pytest.mark.parametrize("by", ["fix", "review"])
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
 def test_recovery_runs_fix_the_flaw_a_failing_test_showed_and_train_only_the_fix(level_tasks, tmp_path,
-                                                                              name):
+                                                                              name, by):
   """A recovery run is the flawed plan, a failing test run, the fix, a passing one and submit; its
-  flawed turn is left out of SFT's loss, and the fix is ``edit_calls`` from the flawed file."""
+  flawed turn is left out of SFT's loss, and the fix is ``edit_calls`` from the flawed file. With
+  ``recover_by="review"`` a view of the flawed file comes between the failing run and the fix, and
+  it shows the flawed lines the fix replaces."""
   from composer_jax.data import sources
   from composer_jax.data.tokenizer import train_bpe
   task = level_tasks[(name, TEMPLATES[name].levels[0])]
   out = tmp_path / "t.jsonl"
   for seed in range(4):  # a draw can flaw a line the visible tests do not pin down: none is kept
     rep = expert_trajectories([task], str(out), tool_docs="brief", recover=1.0, seed=seed,
-                              log=lambda m: None)
+                              recover_by=by, log=lambda m: None)
     if rep["recovered"]:
       break
   recs = [json.loads(line) for line in out.read_text().splitlines()]
@@ -113,7 +116,8 @@ def test_recovery_runs_fix_the_flaw_a_failing_test_showed_and_train_only_the_fix
   assert "recovered" not in sound_run
   sound = [m["content"] for m in sound_run["messages"] if m["role"] == "assistant"]
   n_files = len(task.source["edit_order"])
-  assert len(asst) == len(sound) + 2  # the fix and a second test run
+  review = by == "review"
+  assert len(asst) == len(sound) + 2 + review  # (a view,) the fix and a second test run
   untrained = [i for i in asst if msgs[i].get("train") is False]
   assert len(untrained) == 1 and msgs[untrained[0]]["content"] not in sound  # the flawed edit
   tests = [i for i in asst if "run_tests.py" in msgs[i]["content"]]
@@ -123,8 +127,12 @@ def test_recovery_runs_fix_the_flaw_a_failing_test_showed_and_train_only_the_fix
   # The fix is the one change from the flawed file to the reference, on the flawed file's path.
   flawed_at = asst.index(untrained[0]) // 2
   rel = task.source["edit_order"][flawed_at]
-  fix = parse(msgs[tests[0] + 2]["content"], SPECS).calls
+  fix = parse(msgs[tests[0] + 2 + 2 * review]["content"], SPECS).calls
   assert [c.args["path"] for c in fix] == [rel] * len(fix) and flawed_at < n_files
+  if review:
+    assert parse(msgs[tests[0] + 2]["content"], SPECS).calls[0].args == {"path": rel}
+    shown = msgs[tests[0] + 3]["content"]
+    assert all(line in shown for c in fix if c.name == "str_replace" for line in c.args["old"].splitlines())
   before = read_text(os.path.join(task.workspace_dir, rel))
   flawed = apply_calls(before, [(c.name, {k: v for k, v in c.args.items() if k != "path"})
                                 for c in parse(msgs[untrained[0]]["content"], SPECS).calls])
