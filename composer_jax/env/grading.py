@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import stat
 import tempfile
 import time
 import xml.etree.ElementTree as ET
@@ -138,13 +139,24 @@ def run_value_checks(task: Task, root: str, limits: Limits,
           oracle.checks_right(expected, results, hidden))
 
 
+def _not_copied(folder: str, names: list[str]) -> list[str]:
+  """``.git`` and special files (FIFOs, sockets: ``mkfifo`` in the sandbox), which copytree cannot copy."""
+  def special(name):
+    mode = os.lstat(os.path.join(folder, name)).st_mode
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
+  return [n for n in names if n == ".git" or special(n)]
+
+
 def prepare_grading_copy(task: Task, workspace: str, dest: str) -> dict:
-  """Copy the agent's workspace to ``dest``, clean it and restore every protected file."""
-  shutil.copytree(workspace, dest, symlinks=False, dirs_exist_ok=True,
-                  ignore=shutil.ignore_patterns(".git"))
+  """Copy the agent's workspace to ``dest``, clean it and restore every protected file. Links are
+  copied as links, and those that lead out of the copy are deleted: dereferenced here, on the host,
+  they would read files the sandbox hides (the task's gold files)."""
+  shutil.copytree(workspace, dest, symlinks=True, dirs_exist_ok=True, ignore=_not_copied)
+  links = guards.drop_outside_links(dest)
   removed = guards.clean_tree(dest)
   touched = guards.restore_protected(dest, task.protected_dir, task.test_files)
-  return {"removed_junk": removed[:20], "removed_new_test_files": touched[:20]}
+  return {"removed_junk": removed[:20], "removed_new_test_files": touched[:20],
+          "removed_outside_links": links[:20]}
 
 
 def verdict(fail_to_pass: list, pass_to_pass: list, outcomes: dict, exit_code: int | None,

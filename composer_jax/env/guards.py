@@ -5,6 +5,11 @@ code, reading an installed copy of the package in site-packages, digging through
 or deleting tests, a conftest.py that rewrites outcomes or prints fake PASSED lines, exiting before the
 asserts. Workspaces are cleaned and re-committed as a single commit; installed copies are hidden inside
 the sandbox; tests are restored before grading; and the monitor below flags the attempts themselves.
+
+The workspace is bound at its host path, so a link made in the sandbox (``ln -s /path/to/gold/m.py
+m.py``) names a real host file even though the sandbox cannot reach it. Whatever runs on the host
+never follows such a link: the tools skip or refuse it (``env/tools.py``), and the grading copy
+deletes it (``drop_outside_links``); before that, links to the gold files scored 1.0.
 """
 
 from __future__ import annotations
@@ -39,6 +44,24 @@ def clean_tree(root: str) -> list[str]:
       if any(fnmatch.fnmatch(f, p) for p in JUNK_FILES):
         os.remove(os.path.join(dirpath, f))
         removed.append(os.path.relpath(os.path.join(dirpath, f), root))
+  return sorted(removed)
+
+
+def drop_outside_links(root: str) -> list[str]:
+  """Delete every symlink under ``root`` whose target resolves outside it; returns their paths.
+
+  A link made inside the sandbox names a path the sandbox cannot reach, but a host-side copy or read
+  follows it against the host's files: ``ln -s /path/to/task/gold/m.py m.py`` would grade the gold
+  file. Links within the tree stay."""
+  real_root = os.path.realpath(root)
+  removed = []
+  for dirpath, dirnames, filenames in os.walk(root):  # never descends into a linked directory
+    for name in dirnames + filenames:
+      p = os.path.join(dirpath, name)
+      target = os.path.realpath(p)
+      if os.path.islink(p) and target != real_root and not target.startswith(real_root + os.sep):
+        os.unlink(p)
+        removed.append(os.path.relpath(p, root))
   return sorted(removed)
 
 
@@ -106,6 +129,8 @@ def restore_protected(root: str, protected_dir: str, protected: list[str]) -> li
     if os.path.isfile(src):
       dst = os.path.join(root, rel)
       os.makedirs(os.path.dirname(dst), exist_ok=True)
+      if os.path.islink(dst):  # copyfile would write through it
+        os.unlink(dst)
       shutil.copyfile(src, dst)
   return touched
 

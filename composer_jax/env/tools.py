@@ -87,12 +87,15 @@ class ToolBox:
   def _resolve(self, path: str | None, write: bool = False) -> str:
     path = (path or ".").strip()
     full = os.path.realpath(os.path.join(self.root, path))
-    if full != self.root and not full.startswith(self.root + os.sep):
+    if not self._inside(full):
       raise ToolError(f"{path}: outside the workspace; use a path inside it")
     rel = os.path.relpath(full, self.root)
     if write and (rel == ".git" or rel.startswith(".git" + os.sep)):
       raise ToolError(f"{path}: .git is read-only for the tools")
     return full
+
+  def _inside(self, real: str) -> bool:
+    return real == self.root or real.startswith(self.root + os.sep)
 
   def _rel(self, full: str) -> str:
     return os.path.relpath(full, self.root)
@@ -121,7 +124,8 @@ class ToolBox:
       for name in sorted(os.listdir(full)):
         if name in SKIP_DIRS:
           continue
-        entries.append(name + ("/" if os.path.isdir(os.path.join(full, name)) else ""))
+        p = os.path.join(full, name)  # a link out of the workspace is listed, never followed
+        entries.append(name + ("/" if os.path.isdir(p) and self._inside(os.path.realpath(p)) else ""))
       return f"{self._rel(full)}/ ({len(entries)} entries)\n" + "\n".join(entries)
     lines = self._read(full).splitlines()
     n = len(lines)
@@ -207,7 +211,12 @@ class ToolBox:
     for dirpath, dirnames, filenames in os.walk(full):
       dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info"))
       for name in sorted(filenames):
-        yield os.path.join(dirpath, name)
+        # The tools run on the host: a link the agent made in the sandbox (``ln -s /etc/shadow x``)
+        # resolves against the host's files, so a file whose target leaves the workspace is skipped;
+        # so are FIFOs and sockets (``mkfifo``: opening one would block the episode for good).
+        p = os.path.join(dirpath, name)
+        if os.path.isfile(p) and self._inside(os.path.realpath(p)):
+          yield p
 
   def _tool_search(self, pattern: str, path: str | None = None, glob: str | None = None) -> str:
     try:

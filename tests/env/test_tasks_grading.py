@@ -143,6 +143,33 @@ def test_grading_restores_tests_and_removes_conftest(demo_tasks, tmp_path):
   assert os.path.exists(os.path.join(ws, "conftest.py"))  # the agent's workspace is untouched
 
 
+def test_links_to_the_gold_files_earn_nothing_and_nothing_is_written_through_a_link(demo_tasks, tmp_path):
+  """The workspace is bound at its host path, so the agent can name the task store's gold files in a
+  link (``ln -s`` in the sandbox, where they are hidden). Dereferenced by the grading copy on the
+  host, such links scored 1.0; now they are deleted, and a protected test file made a link is
+  replaced, not written through. A FIFO is left out of the copy."""
+  t = load_task(os.path.join(demo_tasks[0], "calc__calc.core.add"))
+  ws = start_workspace(t, str(tmp_path / "ws"))
+  for rel in t.gold_files:
+    os.remove(os.path.join(ws, rel))
+    os.symlink(os.path.join(t.gold_dir, rel), os.path.join(ws, rel))
+  host = tmp_path / "host.txt"
+  host.write_text("host file\n")
+  test_file = t.test_files[0]
+  os.remove(os.path.join(ws, test_file))
+  os.symlink(host, os.path.join(ws, test_file))
+  os.mkfifo(os.path.join(ws, "pipe"))  # copytree cannot copy it: left out, not a crash
+  r = grade(t, ws)
+  assert r.reward == 0.0 and set(r.details["removed_outside_links"]) == {*t.gold_files, test_file}
+  assert host.read_text() == "host file\n"
+  # The same files copied in (not linked) still score 1.
+  ws2 = start_workspace(t, str(tmp_path / "ws2"))
+  for rel in t.gold_files:
+    with open(os.path.join(t.gold_dir, rel)) as src, open(os.path.join(ws2, rel), "w") as dst:
+      dst.write(src.read())
+  assert grade(t, ws2).reward == 1.0
+
+
 def test_verdict_rules():
   f2p, p2p = ["a", "b"], ["c"]
   ok = {"a": "passed", "b": "passed", "c": "passed"}

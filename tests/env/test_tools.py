@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from composer_jax.env.protocol import ToolCall
@@ -62,6 +64,28 @@ def test_search_counts_and_cap(box):
   assert "no matches" in call(tb, "search", pattern="gamma").text
   assert not call(tb, "search", pattern="(").ok
   assert "1 files\npkg/m.py" in call(tb, "find", pattern="*.py").text
+
+
+def test_links_out_of_the_workspace_and_fifos_are_never_followed(box):
+  """The tools run on the host, so a link the agent makes in the sandbox (``ln -s /etc/shadow x``)
+  would resolve against the host's files: view refuses it, and search, find and listings skip it.
+  A FIFO (``mkfifo``) is skipped too."""
+  tb, root = box
+  secret = root.parent / f"{root.name}-secret"
+  secret.mkdir()
+  (secret / "key.txt").write_text("alpha TOP-SECRET\n")
+  os.symlink(secret / "key.txt", root / "leak.txt")
+  os.symlink(secret, root / "leakdir")
+  os.symlink("../notes.txt", root / "pkg" / "inside.txt")  # a link within the tree still works
+  assert not call(tb, "view", path="leak.txt").ok and not call(tb, "view", path="leakdir/key.txt").ok
+  assert "no matches" in call(tb, "search", pattern="TOP-SECRET").text
+  assert call(tb, "search", pattern="alpha", path="pkg").text.startswith("2 matches in 1 files\n  pkg/inside.txt")
+  assert "leak" not in call(tb, "find", pattern="*.txt").text
+  listing = call(tb, "view", path=".").text
+  assert "leakdir/" not in listing and "pkg/" in listing
+  os.mkfifo(root / "pkg" / "pipe.txt")  # opened for reading, it would block until a writer came
+  assert call(tb, "search", pattern="alpha", path="pkg").ok
+  assert not call(tb, "view", path="pkg/pipe.txt").ok
 
 
 def test_lint_and_terminal(box):
