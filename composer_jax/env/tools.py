@@ -108,6 +108,8 @@ class ToolBox:
 
   def _write(self, full: str, text: str) -> None:
     old = None
+    if os.path.exists(full) and not os.path.isfile(full):  # a FIFO would block both opens below
+      raise ToolError(f"{self._rel(full)}: not a regular file")
     if os.path.exists(full):
       with open(full, encoding="utf-8", errors="replace", newline="") as f:
         old = f.read()

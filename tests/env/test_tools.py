@@ -86,6 +86,8 @@ def test_links_out_of_the_workspace_and_fifos_are_never_followed(box):
   os.mkfifo(root / "pkg" / "pipe.txt")  # opened for reading, it would block until a writer came
   assert call(tb, "search", pattern="alpha", path="pkg").ok
   assert not call(tb, "view", path="pkg/pipe.txt").ok
+  assert not call(tb, "create", path="pkg/pipe.txt", content="x").ok
+  assert not call(tb, "create", path="pkg", content="x").ok  # a directory: refused, not an OSError
 
 
 def test_lint_and_terminal(box):
