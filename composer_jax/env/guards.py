@@ -47,6 +47,11 @@ def clean_tree(root: str) -> list[str]:
   return sorted(removed)
 
 
+def within(real_root: str, real: str) -> bool:
+  """Whether the resolved path ``real`` is ``real_root`` or under it (both from ``os.path.realpath``)."""
+  return real == real_root or real.startswith(real_root + os.sep)
+
+
 def drop_outside_links(root: str) -> list[str]:
   """Delete every symlink under ``root`` whose target resolves outside it; returns their paths.
 
@@ -58,8 +63,7 @@ def drop_outside_links(root: str) -> list[str]:
   for dirpath, dirnames, filenames in os.walk(root):  # never descends into a linked directory
     for name in dirnames + filenames:
       p = os.path.join(dirpath, name)
-      target = os.path.realpath(p)
-      if os.path.islink(p) and target != real_root and not target.startswith(real_root + os.sep):
+      if os.path.islink(p) and not within(real_root, os.path.realpath(p)):
         os.unlink(p)
         removed.append(os.path.relpath(p, root))
   return sorted(removed)

@@ -22,7 +22,7 @@ No home directories, caches, task stores, gold files, other workspaces, project 
 user, and no network unless ``network=True`` (set-up steps that install dependencies). Environment
 variables are built from scratch (``PATH`` from the allowed directories; nothing of the host's passes).
 A link the command makes in the workspace may name any host path; host-side readers of the workspace
-never follow one out of it (``guards.drop_outside_links``, ``tools.ToolBox._inside``).
+never follow one out of it (``guards.drop_outside_links``, ``guards.within``).
 
 Limits: bubblewrap has none, so rlimits (address space, processes, file size, CPU seconds) are set
 before exec, and where a pids cgroup can be made (v1, or a delegated v2) each call gets one with

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 
+from composer_jax.env import guards
 from composer_jax.env.protocol import Arg, ToolCall, ToolSpec
 from composer_jax.env.sandbox import Sandbox, clip_output
 
@@ -95,7 +96,7 @@ class ToolBox:
     return full
 
   def _inside(self, real: str) -> bool:
-    return real == self.root or real.startswith(self.root + os.sep)
+    return guards.within(self.root, real)
 
   def _rel(self, full: str) -> str:
     return os.path.relpath(full, self.root)
@@ -108,9 +109,9 @@ class ToolBox:
 
   def _write(self, full: str, text: str) -> None:
     old = None
-    if os.path.exists(full) and not os.path.isfile(full):  # a FIFO would block both opens below
-      raise ToolError(f"{self._rel(full)}: not a regular file")
     if os.path.exists(full):
+      if not os.path.isfile(full):  # a FIFO would block both opens
+        raise ToolError(f"{self._rel(full)}: not a regular file")
       with open(full, encoding="utf-8", errors="replace", newline="") as f:
         old = f.read()
     self.history.setdefault(full, []).append(old)
