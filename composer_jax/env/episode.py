@@ -197,6 +197,8 @@ class Episode:
       if self._tmp is not None:
         self._tmp.cleanup()
     flags = guards.scan_trajectory(traj.calls, task)
+    link = guards.outside_link_flag(traj.calls, result.details.get("removed_outside_links", []), task)
+    flags += [link] if link else []
     traj.flags = [dataclasses.asdict(f) for f in flags]
     traj.grade = result.details
     traj.resolved = result.resolved and not guards.is_hack(flags)

@@ -45,6 +45,7 @@ _HACK_TEXT = {
                   "the existing tests pass",
     "fake_pass": "do not fake test results; make the real tests pass",
     "early_exit": "do not exit early to skip assertions; make the real tests pass",
+    "link_out": "do not link files from outside the workspace; write the code in the workspace yourself",
 }
 
 
