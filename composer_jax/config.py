@@ -334,6 +334,11 @@ class EnvConfig:
   max_procs: int = 256
   max_file_mb: int = 256
   max_output_chars: int = 8000
+  tmp_mb: int = 512  # each call's private /tmp (host memory)
+  # What a call may add to the workspace (and binds) over its size at the episode's start: past
+  # either bound it is stopped, and an episode ends flagged `quota` (a hack: reward 0). 0 = no bound.
+  workspace_mb: int = 1024
+  workspace_files: int = 50000
   max_turns: int = 30
   grade_timeout_s: float = 300.0  # one full test run at grading / task validation
   workers: int = 2  # parallel sandboxed test runs (task generation, eval episodes)

@@ -152,6 +152,8 @@ def validate(cfg: Config) -> None:
   for name in ("timeout_s", "grade_timeout_s", "memory_mb", "max_procs", "max_file_mb", "max_turns",
                "workers", "max_output_chars"):
     _require(getattr(e, name) > 0, f"env.{name}={getattr(e, name)} must be positive")
+  for name in ("tmp_mb", "workspace_mb", "workspace_files"):
+    _require(getattr(e, name) >= 0, f"env.{name}={getattr(e, name)} must be >= 0 (0 = no bound)")
   _require(0 < e.max_fail_fraction <= 1, f"env.max_fail_fraction={e.max_fail_fraction} must be in (0, 1]")
   _require(cfg.eval.samples >= 1, f"eval.samples={cfg.eval.samples} must be >= 1")
   u = cfg.run

@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from composer_jax.env.demo import write_demo_repo
 from composer_jax.env.protocol import ToolCall
-from composer_jax.env.sandbox import Limits, Sandbox, _cgroup_base, bwrap_available
+from composer_jax.env.reaper import _cgroup_base
+from composer_jax.env.sandbox import Limits, Sandbox, bwrap_available
 from composer_jax.env.tools import ToolBox
 from experiments.common import write_result
 

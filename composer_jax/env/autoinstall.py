@@ -192,10 +192,15 @@ def recipe_env(recipe: Recipe, repo: str) -> dict:
   return env
 
 
+SETUP_BOUNDS = {"workspace_mb": 16384, "workspace_files": 1_000_000, "tmp_mb": 8192}
+
+
 def run_setup(repo: str, recipe: Recipe, limits: Limits, mode: str = "auto",
               model_proposed: bool = False) -> list[dict]:
   """Run the recipe's commands in the sandbox (with network); raises SetupError on the first failure.
-  Commands a model proposed (``model_proposed``) never run without bubblewrap."""
+  Commands a model proposed (``model_proposed``) never run without bubblewrap. Dependencies may be
+  large (``.deps`` in the workspace, builds in /tmp): set-up gets the disk bounds of ``SETUP_BOUNDS``."""
+  limits = dataclasses.replace(limits, **SETUP_BOUNDS)
   sb = Sandbox(repo, limits, mode=mode, network=True, model_driven=model_proposed)
   log = []
   for cmd in recipe.commands:

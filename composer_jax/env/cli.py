@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -102,9 +103,8 @@ def _split_overrides(cmd: list[str]) -> tuple[list[str], list[str]]:
 
 def _limits(env, timeout=None):
   from composer_jax.env.sandbox import Limits
-  return Limits(timeout_s=float(timeout if timeout is not None else env.timeout_s),
-                memory_mb=env.memory_mb, max_procs=env.max_procs, max_file_mb=env.max_file_mb,
-                max_output_chars=env.max_output_chars)
+  limits = Limits.from_config(env)
+  return limits if timeout is None else dataclasses.replace(limits, timeout_s=float(timeout))
 
 
 def _sandbox_exec(args) -> int:

@@ -17,7 +17,7 @@ import time
 from typing import Protocol, runtime_checkable
 
 from composer_jax.env import guards
-from composer_jax.env.grading import grade, test_env
+from composer_jax.env.grading import GradeResult, grade, test_env
 from composer_jax.env.protocol import (
   ParseError,
   describe_tools,
@@ -150,8 +150,8 @@ class Episode:
     self.ws = start_workspace(self.task, os.path.join(self._tmp.name, "ws"))
     task = self.task
     hide = guards.installed_copies(task.package_modules) + ([task.path] if task.path else [])
-    sandbox = Sandbox(self.ws, self.limits, mode=self.mode, hide=hide, env=test_env(task, self.ws))
-    self.tools = ToolBox(sandbox, max_output_chars=self.limits.max_output_chars)
+    self.sandbox = Sandbox(self.ws, self.limits, mode=self.mode, hide=hide, env=test_env(task, self.ws))
+    self.tools = ToolBox(self.sandbox, max_output_chars=self.limits.max_output_chars)
     self.traj.messages = [{"role": "system", "content": system_prompt(self.tool_docs)},
                           {"role": "user", "content": task.prompt(self.verbose_prompt)}]
     return list(self.traj.messages)
@@ -175,28 +175,35 @@ class Episode:
         traj.format_errors += 1
         observations.append(format_observation(item.tool, item.message, False))
         continue
+      stops = len(self.sandbox.stopped)
       obs = self.tools.execute(item)
       traj.tool_calls += 1
       call = {"name": item.name, "args": item.args, "ok": obs.ok}
       traj.calls.append(call)
       observations.append(format_observation(obs.tool, obs.text, obs.ok))
+      if len(self.sandbox.stopped) > stops:  # the workspace passed its disk budget: the episode ends
+        call["stopped"] = self.sandbox.stopped[-1]
+        break
       if self.tools.submitted:
         break
     message = {"role": "tool", "content": "\n".join(observations)}
     traj.messages.append(message)
     traj.submitted = self.tools.submitted
-    self.done = self.tools.submitted or traj.turns >= self.max_turns
+    self.done = (self.tools.submitted or traj.turns >= self.max_turns
+                 or any("stopped" in c for c in traj.calls))
     return message
 
   def close(self) -> Trajectory:
     """Grade the workspace as it is (submitted or cut), apply the hack guards, remove the files."""
     traj, task = self.traj, self.task
-    try:
-      result = grade(task, self.ws, self.grade_limits, self.mode)
+    over = guards.quota_flag(traj.calls)
+    try:  # a workspace past its budget is not copied for grading: the flag zeroes it anyway
+      result = (GradeResult(0.0, False, {"not_graded": over.evidence}) if over else
+                grade(task, self.ws, self.grade_limits, self.mode))
     finally:
       if self._tmp is not None:
         self._tmp.cleanup()
-    flags = guards.scan_trajectory(traj.calls, task)
+    flags = guards.scan_trajectory(traj.calls, task) + ([over] if over else [])
     link = guards.outside_link_flag(traj.calls, result.details.get("removed_outside_links", []), task)
     flags += [link] if link else []
     traj.flags = [dataclasses.asdict(f) for f in flags]

@@ -236,5 +236,13 @@ def outside_link_flag(calls: list[dict], links: list[str], task=None) -> Flag | 
   return Flag("link_out", HACK, step, "links out of the workspace: " + ", ".join(made))
 
 
+def quota_flag(calls: list[dict]) -> Flag | None:
+  """A hack flag for the call the sandbox stopped because the workspace passed its disk budget
+  (``env.workspace_mb``, ``env.workspace_files``): no coding task needs that much, and a run whose
+  rollouts fill the host's disk or memory loses its work."""
+  step = next((i for i, c in enumerate(calls) if c.get("stopped")), None)
+  return None if step is None else Flag("quota", HACK, step, calls[step]["stopped"])
+
+
 def is_hack(flags: list[Flag]) -> bool:
   return any(f.severity == HACK for f in flags)

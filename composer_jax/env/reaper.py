@@ -2,7 +2,9 @@
 
 Each call gets a cgroup with ``pids.max`` where one can be made (cgroup v1 with the pids controller, or
 a delegated v2 subtree): root ignores RLIMIT_NPROC, the cgroup still bounds a fork bomb, and killing
-every process in it catches whatever left the process group. Without a cgroup (the rlimit-only
+every process in it catches whatever left the process group. Where a memory cgroup can be made too,
+it bounds the call's resident memory as a whole (its private ``/tmp`` included), which RLIMIT_AS,
+per process, does not. Without a cgroup (the rlimit-only
 fallback), processes that left the group are found by the per-call marker in their environment.
 ``_wait_exit`` waits without reaping, so the group id stays reserved until the group is killed.
 """
@@ -17,6 +19,7 @@ import select
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 
 
 def _under(path: str, roots) -> bool:
@@ -26,54 +29,93 @@ def _under(path: str, roots) -> bool:
 _CALLS = itertools.count()
 
 
-@functools.cache
-def _cgroup_base() -> str | None:
-  """A pids-cgroup folder this process may make children in, or None (then rlimits only)."""
+def _hierarchy(controller: str) -> Iterator[tuple[str, str]]:
+  """(fstype, folder) of this process's own cgroup in each hierarchy that may hold ``controller``."""
   try:
     with open("/proc/self/cgroup") as f:
       own = [line.rstrip("\n").split(":", 2) for line in f]
     with open("/proc/self/mountinfo") as f:
       mounts = [line.split() for line in f]
   except OSError:
-    return None
+    return
   for m in mounts:
     sep = m.index("-")
     fstype, opts, root, point = m[sep + 1], m[sep + 3].split(","), m[3], m[4]
-    if fstype == "cgroup" and "pids" in opts:
-      rel = next((p for _, c, p in own if "pids" in c.split(",")), None)
+    if fstype == "cgroup" and controller in opts:
+      rel = next((p for _, c, p in own if controller in c.split(",")), None)
     elif fstype == "cgroup2":
       rel = next((p for h, c, p in own if h == "0" and c == ""), None)
     else:
       continue
     if rel is None or not _under(rel, [root]):
       continue
-    base = os.path.join(os.path.normpath(os.path.join(point, os.path.relpath(rel, root))),
-                        "composer_jax_sandbox")
+    yield fstype, os.path.normpath(os.path.join(point, os.path.relpath(rel, root)))
+
+
+def _controller_base(controller: str, limit_file: dict[str, str], probe_value: int) -> str | None:
+  """A folder of ``controller``'s hierarchy this process may make call cgroups in, or None."""
+  for fstype, own in _hierarchy(controller):
+    base = os.path.join(own, "composer_jax_sandbox")
     try:
       os.makedirs(base, exist_ok=True)
       if fstype == "cgroup2":
         with open(os.path.join(base, "cgroup.subtree_control"), "w") as f:
-          f.write("+pids")
+          f.write(f"+{controller}")
       _sweep_stale(base)
-      probe = _make_call_cgroup(base, 8)
+      probe = _make_cgroup(base, {limit_file[fstype]: probe_value})
       if probe:
         _remove_cgroup(probe)
+        _LIMIT_FILE[controller, base] = limit_file[fstype]
         return base
     except OSError:
       continue
   return None
 
 
-def _make_call_cgroup(base: str, max_procs: int) -> str | None:
+_LIMIT_FILE: dict[tuple[str, str], str] = {}  # (controller, base) -> the file of its call cgroups' limit
+
+
+@functools.cache
+def _cgroup_base() -> str | None:
+  """A pids-cgroup folder this process may make children in, or None (then rlimits only)."""
+  return _controller_base("pids", {"cgroup": "pids.max", "cgroup2": "pids.max"}, 8)
+
+
+@functools.cache
+def _memory_base() -> str | None:
+  """A memory-cgroup folder this process may make children in, or None (then RLIMIT_AS per process
+  and ``oom_score_adj`` only). On cgroup v2 it is the pids base when memory can be enabled there."""
+  return _controller_base("memory", {"cgroup": "memory.limit_in_bytes", "cgroup2": "memory.max"},
+                          64 << 20)
+
+
+def _make_cgroup(base: str, limits: dict[str, int]) -> str | None:
   path = os.path.join(base, f"{os.getpid()}-{next(_CALLS)}")
   try:
     os.mkdir(path)
-    with open(os.path.join(path, "pids.max"), "w") as f:
-      f.write(str(max_procs) if max_procs > 0 else "max")
+    for name, value in limits.items():
+      with open(os.path.join(path, name), "w") as f:
+        f.write(str(value) if value > 0 else "max")
     return path
   except OSError:
     _remove_cgroup(path)
     return None
+
+
+def _make_call_cgroups(max_procs: int, memory_bytes: int) -> tuple[str | None, list[str]]:
+  """The call's pids cgroup (the one ``_kill_cgroup`` empties) and every cgroup its first process
+  joins: on cgroup v1 the memory cgroup is a second one, on v2 one cgroup holds both limits."""
+  pids_base = _cgroup_base()
+  mem_base = _memory_base() if memory_bytes > 0 else None
+  limits = {"pids.max": max_procs}
+  if mem_base and mem_base == pids_base:
+    limits[_LIMIT_FILE["memory", mem_base]] = memory_bytes
+  pids = _make_cgroup(pids_base, limits) if pids_base else None
+  joined = [pids] if pids else []
+  if mem_base and mem_base != pids_base:
+    mem = _make_cgroup(mem_base, {_LIMIT_FILE["memory", mem_base]: memory_bytes})
+    joined += [mem] if mem else []
+  return pids, joined
 
 
 def _cgroup_pids(path: str) -> list[int]:

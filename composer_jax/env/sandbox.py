@@ -26,7 +26,15 @@ never follow one out of it (``guards.drop_outside_links``, ``guards.within``).
 
 Limits: bubblewrap has none, so rlimits (address space, processes, file size, CPU seconds) are set
 before exec, and where a pids cgroup can be made (v1, or a delegated v2) each call gets one with
-``pids.max`` — root ignores RLIMIT_NPROC, a cgroup also bounds a fork bomb run as root.
+``pids.max`` — root ignores RLIMIT_NPROC, a cgroup also bounds a fork bomb run as root. Where a
+memory cgroup can be made, it bounds the call's resident memory as a whole at ``memory_mb``
+(RLIMIT_AS bounds each process alone, and 256 of them fill any host); either way every process of a
+call asks the OOM killer to take it first (``oom_score_adj`` 1000), so memory pressure ends the
+sandboxed command, not the learner. The private ``/tmp`` is a tmpfs of at most ``tmp_mb``. The
+workspace and ``binds`` may grow by ``workspace_mb`` and ``workspace_files`` over their size when
+the sandbox was made (``env/quota.py``): measured before, during (every 0.2 s) and after a call, and
+a call that passes them is stopped and ``ExecResult.stopped`` says why; one that would start over
+them does not run.
 
 Nothing outlives a call, in every mode: when the command returns (or times out) its process group is
 killed, then every process left in its cgroup; under bwrap the pid namespace dies with its init. In
@@ -54,13 +62,13 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from composer_jax.env import quota
 from composer_jax.env.reaper import (
   _CALLS,
-  _cgroup_base,
   _kill_cgroup,
   _kill_group,
   _kill_marked,
-  _make_call_cgroup,
+  _make_call_cgroups,
   _release_cgroup,
   _under,
   _wait_exit,
@@ -84,11 +92,17 @@ class Limits:
   max_file_mb: int = 256  # RLIMIT_FSIZE
   cpu_s: int = 0  # RLIMIT_CPU; 0 = 2 x timeout
   max_output_chars: int = 8000
+  tmp_mb: int = 512  # the private /tmp (a tmpfs: host memory) under bwrap
+  # What the workspace and binds together may grow by over their size when the sandbox was made;
+  # a call that passes it is stopped. The same in files and folders; 0 = no bound (either).
+  workspace_mb: int = 1024
+  workspace_files: int = 50000
 
   @classmethod
   def from_config(cls, env) -> Limits:
     return cls(timeout_s=env.timeout_s, memory_mb=env.memory_mb, max_procs=env.max_procs,
-               max_file_mb=env.max_file_mb, max_output_chars=env.max_output_chars)
+               max_file_mb=env.max_file_mb, max_output_chars=env.max_output_chars,
+               tmp_mb=env.tmp_mb, workspace_mb=env.workspace_mb, workspace_files=env.workspace_files)
 
 
 @dataclasses.dataclass
@@ -99,6 +113,7 @@ class ExecResult:
   clipped: bool
   seconds: float
   sandboxed: bool  # False when it ran under the rlimit-only fallback
+  stopped: str = ""  # why the call was stopped, or not run, for its disk use (``quota.over``)
 
   @property
   def ok(self) -> bool:
@@ -286,6 +301,30 @@ def _set_limits(limits: Limits):
   return apply
 
 
+# The call's first process: join the cgroups named by $1..$n (n = $0), fail closed if it cannot, and
+# make the OOM killer take the call's processes first (raising oom_score_adj needs no privilege).
+_JOIN = ('{ echo 1000 >/proc/self/oom_score_adj; } 2>/dev/null; n=$0; while [ "$n" -gt 0 ]; do '
+         'echo $$ >"$1/cgroup.procs" || exit 125; shift; n=$((n-1)); done; exec "$@"')
+
+
+def _wait_watched(proc: subprocess.Popen, timeout: float, watch) -> tuple[bool, str]:
+  """Wait for ``proc`` (without reaping it) up to ``timeout``, running ``watch()`` between waits:
+  (exited, why ``watch`` stopped it). The waits are 0.2 s, or ten times ``watch``'s own cost."""
+  deadline = time.monotonic() + timeout
+  interval = 0.2
+  while True:
+    left = deadline - time.monotonic()
+    if left <= 0:
+      return False, ""
+    if _wait_exit(proc, min(left, interval)):
+      return True, ""
+    t = time.monotonic()
+    why = watch()
+    if why:
+      return False, why
+    interval = max(0.2, 10 * (time.monotonic() - t))
+
+
 # --------------------------------------------------------------------------------------------------
 # The sandbox
 # --------------------------------------------------------------------------------------------------
@@ -314,6 +353,9 @@ class Sandbox:
     self.hide = [os.path.realpath(h) for h in hide if os.path.exists(h)]
     self.network = network
     self.extra_env = dict(env or {})
+    self.stopped: list[str] = []  # why each call stopped for its disk use (the episode ends on one)
+    self._roots = [self.workspace, *self.binds]  # what a call may write to on the host
+    self._base = quota.usage(self._roots) if limits.workspace_mb or limits.workspace_files else (0, 0)
     self.use_bwrap = False
     if model_driven:
       mode = require_isolation(mode, "a model-driven sandbox")
@@ -356,8 +398,9 @@ class Sandbox:
   def _argv(self, cmd: list[str], cwd: str) -> list[str]:
     if not self.use_bwrap:
       return cmd
+    tmp_size = ["--size", str(self.limits.tmp_mb << 20)] if self.limits.tmp_mb > 0 else []
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-            *_system_args(self.network), "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+            *_system_args(self.network), "--dev", "/dev", "--proc", "/proc", *tmp_size, "--tmpfs", "/tmp",
             "--dir", "/tmp/home", *_interpreter_args()]
     if self.network:
       argv += ["--share-net"]
@@ -368,7 +411,9 @@ class Sandbox:
     visible = [*interpreter_paths(), *self.ro_binds, self.workspace, *self.binds, *_SYSTEM_DIRS]
     for h in self.hide:  # a path outside every visible mount does not exist inside anyway
       if _under(h, visible):
-        mounts.append((h, 1, ["--tmpfs", h] if os.path.isdir(h) else ["--ro-bind", "/dev/null", h]))
+        # an empty read-only tmpfs: a hidden folder is no place to write (nor a sink of host memory)
+        mounts.append((h, 1, ["--size", "4096", "--tmpfs", h, "--remount-ro", h] if os.path.isdir(h)
+                       else ["--ro-bind", "/dev/null", h]))
     for _, _, args in sorted(mounts, key=lambda m: (m[0].rstrip("/").count("/"), m[1])):
       argv += args
     argv += ["--chdir", cwd, "--"]
@@ -383,21 +428,26 @@ class Sandbox:
     max_chars = self.limits.max_output_chars if max_output_chars is None else max_output_chars
     limits = dataclasses.replace(self.limits, timeout_s=timeout)
     t0 = time.perf_counter()
+    watch = functools.partial(quota.over, self._roots, limits.workspace_mb, limits.workspace_files,
+                              self._base)
+    stopped = watch()
+    if stopped:  # left over by an earlier call: nothing runs until the files are gone
+      self.stopped.append(stopped)
+      return ExecResult(125, f"[not run: {stopped}]", False, False, 0.0, self.use_bwrap, stopped)
     timed_out = False
     marker = f"{os.getpid()}-{next(_CALLS)}-{os.urandom(4).hex()}"
     # Without bwrap, HOME and TMPDIR are a fresh folder removed after the call (best effort).
     private = None if self.use_bwrap else tempfile.mkdtemp(prefix="cj-sb-")
     home, tmp = ("/tmp/home", "/tmp") if self.use_bwrap else (private, private)
-    base = _cgroup_base()
-    cgroup = _make_call_cgroup(base, limits.max_procs) if base else None
+    cgroup, joined = _make_call_cgroups(limits.max_procs, limits.memory_mb << 20)
     # Output goes to an unlinked file (bounded by RLIMIT_FSIZE), not a pipe a flood could stall.
     with tempfile.TemporaryFile() as out:
       try:
         argv = self._argv(cmd, cwd)
         limit_prefix = _limit_prefix(limits)
-        prefix = limit_prefix
-        if cgroup:  # the first process moves itself into the call's cgroup before anything runs
-          prefix = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', cgroup] + prefix
+        # The first process joins the call's cgroups before anything runs, and puts itself (so every
+        # process of the call) first in line for the OOM killer, before the learner or a worker.
+        prefix = ["/bin/sh", "-c", _JOIN, str(len(joined)), *joined] + limit_prefix
         # With util-linux's prlimit/setarch there is no preexec_fn, so Python can vfork: a fork of a
         # big parent (an RL worker holding a model) is what makes a sandboxed call slow.
         proc = subprocess.Popen(prefix + argv, stdin=subprocess.DEVNULL, stdout=out,
@@ -405,12 +455,13 @@ class Sandbox:
                                 env=self._env(env, home, tmp, marker), start_new_session=True,
                                 preexec_fn=None if limit_prefix else _set_limits(limits))
       except OSError as e:
-        self._cleanup(None, cgroup, private, marker)
+        self._cleanup(None, cgroup, joined, private, marker)
         return ExecResult(127, f"cannot start command: {e}", False, False, 0.0, self.use_bwrap)
-      if not _wait_exit(proc, timeout):
-        timed_out = True
-      self._cleanup(proc, cgroup, private, marker)
-      code = 124 if timed_out else proc.returncode
+      exited, stopped = _wait_watched(proc, timeout, watch)
+      timed_out = not exited and not stopped
+      self._cleanup(proc, cgroup, joined, private, marker)
+      stopped = stopped or watch()
+      code = 124 if timed_out else 125 if stopped else proc.returncode
       total = out.seek(0, os.SEEK_END)
       out.seek(0)
       cap = max(max_chars, 1 << 12)
@@ -425,11 +476,14 @@ class Sandbox:
         clipped = True
     if timed_out:
       text += f"\n[command timed out after {timeout:g} s; its process group was killed]"
+    if stopped:
+      self.stopped.append(stopped)
+      text += f"\n[command stopped: {stopped}]"
     return ExecResult(code, text, timed_out, clipped, time.perf_counter() - t0,
-                      self.use_bwrap)
+                      self.use_bwrap, stopped)
 
-  def _cleanup(self, proc: subprocess.Popen | None, cgroup: str | None, private: str | None,
-               marker: str) -> None:
+  def _cleanup(self, proc: subprocess.Popen | None, cgroup: str | None, joined: list[str],
+               private: str | None, marker: str) -> None:
     """Nothing outlives the call: the group first (its leader is still an unreaped zombie, or alive
     on a timeout, so the id cannot have been reused), then reap, then whatever is left in the
     cgroup or, in the fallback without one, marked strays; last the private folder."""
@@ -442,8 +496,9 @@ class Sandbox:
         proc.wait()
     if cgroup:
       _kill_cgroup(cgroup)
-      _release_cgroup(cgroup)
-    elif not self.use_bwrap:
+    for path in joined:
+      _release_cgroup(path)
+    if not cgroup and not self.use_bwrap:
       _kill_marked(f"COMPOSER_JAX_SANDBOX_CALL={marker}".encode())
     if private:
       shutil.rmtree(private, ignore_errors=True)

@@ -54,8 +54,7 @@ def _eval(args) -> int:
   except PolicyError as e:
     raise ConfigError(str(e)) from None
   e = cfg.env
-  limits = Limits(timeout_s=e.timeout_s, memory_mb=e.memory_mb, max_procs=e.max_procs,
-                  max_file_mb=e.max_file_mb, max_output_chars=e.max_output_chars)
+  limits = Limits.from_config(e)
   os.makedirs(args.out, exist_ok=True)
   summary = run_eval(tasks, factory, samples, args.out, ks=cfg.eval.k, limits=limits,
                      mode=e.sandbox, max_turns=e.max_turns, workers=cfg.eval.workers,

@@ -18,6 +18,7 @@ import uuid
 
 import pytest
 
+from composer_jax.env import reaper
 from composer_jax.env import sandbox as sbm
 from composer_jax.env.generate import DEFAULT_CACHE
 from composer_jax.env.sandbox import Limits, Sandbox, SandboxError
@@ -184,7 +185,7 @@ def test_host_processes_are_invisible_and_unsignalled(tmp_path):
 
 @needs_bwrap
 def test_fork_bomb_is_bounded(tmp_path):
-  if os.getuid() == 0 and sbm._cgroup_base() is None:
+  if os.getuid() == 0 and reaper._cgroup_base() is None:
     pytest.skip("root ignores RLIMIT_NPROC and no pids cgroup can be made here: a fork bomb would "
                 "be bounded only by the timeout, not run on a shared host")
   tag = uuid.uuid4().hex[:12]
@@ -233,7 +234,7 @@ def test_nothing_outlives_the_call(tmp_path, mode):
              " echo started")
   assert r.ok and "started" in r.output and time.perf_counter() - t0 < 5
   escaped = ""
-  if mode == "required" or sbm._cgroup_base():  # env -i drops the fallback's marker; a cgroup keeps it
+  if mode == "required" or reaper._cgroup_base():  # env -i drops the fallback's marker; a cgroup keeps it
     escaped = f"env -i setsid sleep 300.{tag}4 &"
     r = sb.run(escaped + " echo started")
     assert r.ok
@@ -282,3 +283,80 @@ def test_model_driven_episode_refuses_without_isolation(demo_tasks, monkeypatch)
   task = load_tasks(demo_tasks[0])[0]
   with pytest.raises(SandboxError, match="apt-get install -y bubblewrap"):
     run_episode(task, NullPolicy(), mode="off", model_driven=True)
+
+
+def _entries(path) -> int:
+  return sum(len(dirs) + len(files) for _, dirs, files in os.walk(path))
+
+
+def test_a_disk_flood_is_stopped_and_nothing_runs_over_the_budget(tmp_path, mode):
+  """RLIMIT_FSIZE caps one file, not how many: a loop of 4 MB files (here at ~130 MB/s; a real flood
+  writes ~1 GB/s) is stopped once the workspace passes ``workspace_mb``, and the next call does not
+  run until the files are gone."""
+  ws = tmp_path / "ws"
+  (ws / "deps").mkdir(parents=True)
+  (ws / "deps" / "big.so").write_bytes(b"\0" * (40 << 20))  # what the workspace starts with is allowed
+  sb = Sandbox(str(ws), Limits(timeout_s=20, max_file_mb=8, workspace_mb=32), mode=mode)
+  assert sb.run("echo ok").ok
+  shutil.rmtree(ws / "deps")
+  t0 = time.perf_counter()
+  r = sb.run("i=0; while [ $i -lt 200 ]; do head -c 4M /dev/zero > f$i; i=$((i+1)); sleep 0.02; done")
+  assert r.stopped and "env.workspace_mb=32" in r.stopped and "[command stopped" in r.output
+  assert r.exit_code == 125 and not r.timed_out and time.perf_counter() - t0 < 6
+  assert 18 < len(os.listdir(ws)) < 70  # 40 MB + 32 MB is 18 files; unstopped, 200
+  r = sb.run("echo ran > ran.txt")
+  assert r.exit_code == 125 and r.output.startswith("[not run") and not (ws / "ran.txt").exists()
+  assert len(sb.stopped) == 2
+  for f in os.listdir(ws):
+    os.remove(ws / f)
+  assert sb.run("echo ran > ran.txt").ok and (ws / "ran.txt").exists()
+
+
+def test_a_flood_of_files_or_through_a_bind_is_stopped(tmp_path, mode):
+  """Empty files cost no bytes but make the grading copy take minutes: ``workspace_files`` bounds
+  them. A read-write bind (the grader's results folder) counts with the workspace."""
+  ws, out = tmp_path / "ws", tmp_path / "out"
+  ws.mkdir()
+  out.mkdir()
+  sb = Sandbox(str(ws), Limits(timeout_s=30, workspace_files=2000), mode=mode, binds=[str(out)])
+  t0 = time.perf_counter()
+  r = sb.run(["python", "-c", "import os\nfor i in range(300000): open(f'e{i}', 'w').close()"])
+  assert "env.workspace_files=2000" in r.stopped and time.perf_counter() - t0 < 15
+  assert 2000 < _entries(ws) < 150000
+  sb = Sandbox(str(ws), Limits(timeout_s=20, max_file_mb=8, workspace_mb=32, workspace_files=0),
+               mode=mode, binds=[str(out)])
+  for f in os.listdir(ws):
+    os.remove(ws / f)
+  r = sb.run(f"i=0; while [ $i -lt 200 ]; do head -c 4M /dev/zero > {out}/f$i; i=$((i+1)); sleep 0.02; done")
+  assert "env.workspace_mb=32" in r.stopped and len(os.listdir(out)) < 60
+
+
+@needs_bwrap
+def test_the_private_tmp_is_bounded(tmp_path):
+  """/tmp is a tmpfs, so what is written there is host memory (1.5 GB in 2 s, unbounded before)."""
+  sb = Sandbox(str(tmp_path), Limits(timeout_s=20, tmp_mb=16), mode="required")
+  r = sb.run("head -c 64M /dev/zero > /tmp/f; wc -c < /tmp/f")
+  assert "No space left" in r.output and int(r.output.split()[-1]) <= 16 << 20
+  hidden = tmp_path / "hidden"
+  hidden.mkdir()
+  r = Sandbox(str(tmp_path), QUICK, mode="required", hide=[str(hidden)]).run(f"echo x > {hidden}/f")
+  assert r.exit_code != 0 and not (hidden / "f").exists()  # a hidden folder is read-only inside
+
+
+def test_memory_pressure_ends_the_sandboxed_command_first(tmp_path, mode):
+  """RLIMIT_AS bounds each process, not their sum: three children of 120 MB each fit under a 256 MB
+  limit one by one. Where a memory cgroup can be made the call as a whole is held to it, so one of
+  them is killed; in every case the call's processes are the OOM killer's first choice."""
+  sb = Sandbox(str(tmp_path), Limits(timeout_s=30, memory_mb=256), mode=mode)
+  assert sb.run("cat /proc/self/oom_score_adj").output.split()[0] == "1000"
+  code = ("import os, time\nkids = []\nfor _ in range(3):\n  pid = os.fork()\n  if pid == 0:\n"
+          "    b = bytearray(120 << 20)\n    b[::4096] = b'x' * len(range(0, len(b), 4096))\n"
+          "    time.sleep(2)\n    os._exit(0)\n  kids.append(pid)\n"
+          "print('status', [os.waitpid(k, 0)[1] for k in kids])")
+  r = sb.run(["python", "-c", code])
+  if reaper._memory_base() is None:
+    pytest.skip("no memory cgroup can be made here: the call's total memory is not bounded")
+  if "status" in r.output:
+    assert any(int(s) != 0 for s in r.output.split("status", 1)[1].strip(" []\n").split(",")), r.output
+  else:  # the OOM killer took the parent instead
+    assert r.exit_code in (-9, 137), r.output

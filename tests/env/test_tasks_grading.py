@@ -16,6 +16,7 @@ from composer_jax.env.episode import (
 )
 from composer_jax.env.grading import grade, parse_junit, verdict
 from composer_jax.env.protocol import format_call
+from composer_jax.env.sandbox import Limits
 from composer_jax.env.tasks import REQUIRED, load_task, load_tasks
 
 
@@ -143,6 +144,20 @@ def test_an_episode_that_links_the_gold_files_is_flagged_and_earns_nothing(demo_
   assert sorted(traj.grade["removed_outside_links"]) == sorted(t.gold_files)
   assert [(f["rule"], f["severity"], f["step"]) for f in traj.flags if f["rule"] == "link_out"] == [("link_out", "hack", 1)]
   assert guards.outside_link_flag([], []) is None
+
+
+def test_an_episode_that_floods_the_disk_ends_flagged_and_ungraded(demo_tasks):
+  """A terminal call that writes past ``env.workspace_mb`` is stopped; the episode ends on that call
+  (the view after it never runs), its workspace is not copied for grading, and the ``quota`` flag
+  zeroes the reward."""
+  t = load_task(os.path.join(demo_tasks[0], "calc__calc.core.add"))
+  flood = "i=0; while [ $i -lt 100 ]; do head -c 4M /dev/zero > f$i; i=$((i+1)); done"
+  policy = Scripted(format_call("terminal", {"command": flood}) + format_call("view", {"path": "."}))
+  traj = run_episode(t, policy, limits=Limits(timeout_s=20, max_file_mb=8, workspace_mb=16))
+  assert traj.reward == 0.0 and not traj.resolved and traj.tool_calls == 1 and not traj.submitted
+  assert "env.workspace_mb=16" in traj.grade["not_graded"]
+  assert [(f["rule"], f["severity"], f["step"]) for f in traj.flags] == [("quota", "hack", 0)]
+  assert guards.quota_flag([{"name": "view", "args": {}}]) is None
 
 
 def test_grading_restores_tests_and_removes_conftest(demo_tasks, tmp_path):
