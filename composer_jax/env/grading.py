@@ -46,9 +46,17 @@ def _node_id(tc: ET.Element) -> str:
   return f"{classname}::{name}" if classname else name
 
 
+MAX_REPORT_BYTES = 64 << 20  # a junit report is read back only up to this size
+
+
 def parse_junit(path: str) -> dict[str, str]:
-  """{node id: passed|failed|error|skipped}; collection errors are reported under their module."""
-  root = ET.parse(path).getroot()
+  """{node id: passed|failed|error|skipped}; collection errors are reported under their module.
+  ``ET.ParseError`` when ``path`` is not a regular file of at most ``MAX_REPORT_BYTES`` (the tests
+  run the code under test, which can put a link, a FIFO or a flood in the report's place)."""
+  blob = guards.read_regular(path, MAX_REPORT_BYTES)
+  if blob is None:
+    raise ET.ParseError(f"{path}: not a regular file of at most {MAX_REPORT_BYTES} bytes")
+  root = ET.fromstring(blob)
   out: dict[str, str] = {}
   for tc in root.iter("testcase"):
     kinds = {child.tag for child in tc}
@@ -66,6 +74,14 @@ def parse_junit(path: str) -> dict[str, str]:
       continue
     out[nid] = outcome
   return out
+
+
+def read_junit(path: str) -> dict[str, str] | None:
+  """``parse_junit``'s outcomes, or None when no readable report is there."""
+  try:
+    return parse_junit(path)
+  except ET.ParseError:
+    return None
 
 
 def test_env(task: Task, root: str) -> dict:
@@ -89,13 +105,10 @@ def run_tests(task: Task, root: str, limits: Limits, mode: str = "auto",
     if extra_args:
       cmd = f"{cmd} {extra_args}"
     r = sb.run(cmd, env=test_env(task, root), max_output_chars=4000)
-    if not os.path.isfile(report):
-      return {}, r.exit_code, r.output, False
-    try:
-      outcomes = parse_junit(report)
-    except ET.ParseError:
-      return {}, r.exit_code, r.output, False
-    return outcomes, r.exit_code, r.output, True
+    outcomes = read_junit(report)
+  if outcomes is None:
+    return {}, r.exit_code, r.output, False
+  return outcomes, r.exit_code, r.output, True
 
 
 def _hidden_from_sandbox(task: Task) -> list[str]:

@@ -20,6 +20,7 @@ import importlib.util
 import os
 import re
 import shutil
+import stat
 import subprocess
 
 # Removed from every workspace: they can hold the deleted code (bytecode, caches, build copies).
@@ -50,6 +51,22 @@ def clean_tree(root: str) -> list[str]:
 def within(real_root: str, real: str) -> bool:
   """Whether the resolved path ``real`` is ``real_root`` or under it (both from ``os.path.realpath``)."""
   return real == real_root or real.startswith(real_root + os.sep)
+
+
+def read_regular(path: str, max_bytes: int) -> bytes | None:
+  """The bytes of ``path`` if it is a regular file of at most ``max_bytes``, else None. For files a
+  sandboxed command could have replaced (a report, the values file): ``open()`` would follow a link
+  to a host file, and block for good on a FIFO with no writer."""
+  try:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+  except OSError:
+    return None
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    return None
+  with os.fdopen(fd, "rb") as f:
+    blob = f.read(max_bytes + 1)
+  return blob if len(blob) <= max_bytes else None
 
 
 def drop_outside_links(root: str) -> list[str]:

@@ -33,6 +33,8 @@ import inspect
 import json
 import threading
 
+from composer_jax.env.guards import read_regular
+
 PROBE = "__cj_probe__"
 MAX_RESULT_BYTES = 1 << 20  # the values file is read back only up to this size
 
@@ -245,13 +247,10 @@ def _outcome(exp: list[Expected], seen: dict, ran_through: bool) -> str:
 
 
 def read_results(path: str) -> dict | None:
-  """The probe's JSON, or None when it is missing, too big or not JSON."""
-  try:
-    with open(path, "rb") as f:
-      blob = f.read(MAX_RESULT_BYTES + 1)
-  except OSError:
-    return None
-  if len(blob) > MAX_RESULT_BYTES:
+  """The probe's JSON, or None when it is missing, too big, not JSON or not a regular file (the code
+  under test shares the probe's process, so it can put a link or a FIFO in the file's place)."""
+  blob = read_regular(path, MAX_RESULT_BYTES)
+  if blob is None:
     return None
   try:
     data = json.loads(blob)

@@ -14,11 +14,13 @@ import os
 import random
 import re
 import shutil
+import threading
 
 import pytest
 
 from composer_jax.env import oracle, synthetic
 from composer_jax.env.grading import grade
+from composer_jax.env.guards import read_regular
 from composer_jax.env.synthetic import TEMPLATES
 from composer_jax.env.tasks import TaskError, read_text, task_from_json, write_text
 from composer_jax.rl.rewards import grade_value
@@ -142,6 +144,48 @@ def test_forgeries_score_zero(impl_task, tmp_path, hack):
   if hack == "forge_values":  # the visible values it claimed pass; the hidden ones it cannot know
     failed = by_values.details["failed_tests"]
     assert impl_task.FAIL_TO_PASS[0] not in failed and any("hidden" in t for t in failed)
+
+
+# Puts a FIFO where the grader reads the values (or the report) back, and leaves: the host's open()
+# of it blocked for good, hanging the rollout worker that graded it.
+FIFO = FRAME + '''
+def _fifo():
+    loc = _frame("out_path") or _frame("report")
+    if loc is None:
+        return
+    _o = __import__("o" + "s")
+    path = loc.get("out_path") or loc["report"]
+    if _o.path.lexists(path):
+        _o.remove(path)
+    _o.mkfifo(path)
+    getattr(_o, "_ex" + "it")(0)
+_fifo()
+'''
+
+
+@pytest.mark.parametrize("grader", ["values", "junit"])
+def test_a_fifo_in_place_of_the_values_or_the_report_fails_fast(impl_task, tmp_path, grader):
+  rel = impl_task.gold_files[0]
+  ws = _ws(impl_task, tmp_path, {rel: FIFO + read_text(os.path.join(impl_task.workspace_dir, rel))})
+  out = []
+  worker = threading.Thread(target=lambda: out.append(
+      grade(dataclasses.replace(impl_task, grader=grader), ws)), daemon=True)
+  worker.start()
+  worker.join(60)
+  assert not worker.is_alive(), "grading hung on the FIFO"
+  assert out[0].reward == 0.0 and not out[0].details["report_found"]
+
+
+def test_read_regular_reads_only_regular_files(tmp_path):
+  (tmp_path / "f").write_bytes(b"abc")
+  (tmp_path / "l").symlink_to(tmp_path / "f")
+  os.mkfifo(tmp_path / "p")
+  assert read_regular(str(tmp_path / "f"), 3) == b"abc"
+  assert read_regular(str(tmp_path / "f"), 2) is None  # too big
+  assert read_regular(str(tmp_path / "l"), 3) is None  # a link, even to a regular file
+  assert read_regular(str(tmp_path / "p"), 3) is None  # a FIFO, without blocking
+  assert read_regular(str(tmp_path / "missing"), 3) is None
+  assert read_regular(str(tmp_path), 3) is None
 
 
 def test_the_rewritten_tests_hold_no_expected_values(impl_task):

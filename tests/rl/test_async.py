@@ -285,8 +285,11 @@ def test_async_run_survives_a_killed_worker(world):
   assert last["worker_deaths"] == 1 and last["requeued"] >= 1
   for r in recs:
     assert r["staleness_max"] <= 1 and 0 <= r["learner_idle_frac"] <= 1
-    assert r["rollout_tokens_per_s"] > 0 and r["completion_tokens_mean"] > 0
+    assert r["rollout_tokens_per_s"] >= 0 and r["completion_tokens_mean"] > 0
     assert r["worker_devices"] == 2  # every worker's sampler spread over its two devices
+  # Tokens count when their unit arrives: a step whose groups all came in during the step before
+  # (learner idle 0) sampled none in its own window.
+  assert sum(r["rollout_tokens_per_s"] for r in recs) > 0
   assert recs[0]["broadcast_kind"] == "delta" and recs[1]["broadcast_kind"] == "full"
   seen = [r["task"] for r in _jsonl(out / "rollouts.jsonl")]
   assert len(seen) == 8  # 2 steps x 2 groups of 2
