@@ -12,6 +12,9 @@ import fnmatch
 import os
 import re
 import shutil
+import time
+
+import regex
 
 from composer_jax.env import guards
 from composer_jax.env.protocol import Arg, ToolCall, ToolSpec
@@ -61,8 +64,9 @@ class ToolBox:
   """Executes parsed tool calls against one workspace."""
 
   def __init__(self, sandbox: Sandbox, max_output_chars: int = 8000, max_matches: int = 50,
-               max_view_lines: int = 400):
+               max_view_lines: int = 400, search_timeout_s: float = 10.0):
     self.sandbox = sandbox
+    self.search_timeout_s = search_timeout_s
     self.root = sandbox.workspace
     self.max_output_chars = max_output_chars
     self.max_matches = max_matches
@@ -222,11 +226,14 @@ class ToolBox:
           yield p
 
   def _tool_search(self, pattern: str, path: str | None = None, glob: str | None = None) -> str:
+    # It runs on the host, so a pattern that backtracks without end (``(a|aa)+$`` over a line of
+    # a's: days under ``re``) would hang the worker: ``regex`` (re's syntax, V0) takes a deadline.
     try:
-      rx = re.compile(pattern)
-    except re.error as e:
+      rx = regex.compile(pattern, regex.V0)
+    except (regex.error, ValueError) as e:
       raise ToolError(f"bad regular expression {pattern!r}: {e}") from None
     full = self._resolve(path)
+    deadline = time.monotonic() + self.search_timeout_s
     shown, total, per_file = [], 0, []
     for f in self._walk(full):
       if glob and not fnmatch.fnmatch(os.path.basename(f), glob):
@@ -238,7 +245,12 @@ class ToolBox:
         continue  # binary
       hits = 0
       for i, line in enumerate(lines, 1):
-        if rx.search(line):
+        try:
+          found = rx.search(line, timeout=max(deadline - time.monotonic(), 1e-3))
+        except TimeoutError:
+          raise ToolError(f"the search for {pattern!r} took more than {self.search_timeout_s:g} s "
+                          "(a pattern that backtracks too much?); use a simpler pattern") from None
+        if found:
           hits += 1
           if len(shown) < self.max_matches:
             shown.append(f"{self._rel(f)}:{i}: {line[:200]}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -64,6 +65,19 @@ def test_search_counts_and_cap(box):
   assert "no matches" in call(tb, "search", pattern="gamma").text
   assert not call(tb, "search", pattern="(").ok
   assert "1 files\npkg/m.py" in call(tb, "find", pattern="*.py").text
+
+
+def test_a_pattern_that_backtracks_without_end_is_stopped(box):
+  """``search`` runs on the host: under ``re``, ``(a|aa)+$`` over a line of 40 a's and a ``!``
+  takes days (24 a's took 1.6 s, x4 per two more), and the worker that ran it hung with it."""
+  tb, root = box
+  (root / "pkg" / "long.py").write_text("s = '" + "a" * 40 + "!'\n")
+  tb.search_timeout_s = 1.0
+  t0 = time.perf_counter()
+  o = call(tb, "search", pattern="(a|aa)+$")
+  assert not o.ok and "took more than 1 s" in o.text and time.perf_counter() - t0 < 10
+  o = call(tb, "search", pattern=r"a{40}!")  # a plain pattern still finds it
+  assert o.ok and o.text.startswith("1 matches in 1 files")
 
 
 def test_links_out_of_the_workspace_and_fifos_are_never_followed(box):
