@@ -18,9 +18,9 @@ import importlib.util
 import os
 import re
 import sys
-import tempfile
 import tomllib
 
+from composer_jax.env import scratch
 from composer_jax.env.guards import is_test_path
 from composer_jax.env.sandbox import Limits, Sandbox
 from composer_jax.env.tasks import DEFAULT_TEST_COMMAND
@@ -219,7 +219,7 @@ def verify(repo: str, recipe: Recipe, limits: Limits, mode: str = "auto",
   )
   from composer_jax.env.guards import installed_copies
   env = recipe_env(recipe, repo)
-  with tempfile.TemporaryDirectory(prefix="cj-verify-") as report_dir:
+  with scratch.temp_dir("cj-verify-") as report_dir:
     sb = Sandbox(repo, limits, mode=mode, binds=[report_dir],
                  hide=installed_copies(recipe.package_modules), model_driven=model_proposed)
     imports = "; ".join(f"import {m}" for m in recipe.package_modules)

@@ -16,7 +16,7 @@ import tempfile
 import time
 from typing import Protocol, runtime_checkable
 
-from composer_jax.env import guards
+from composer_jax.env import guards, scratch
 from composer_jax.env.grading import GradeResult, grade, test_env
 from composer_jax.env.protocol import (
   ParseError,
@@ -146,8 +146,8 @@ class Episode:
     self._t0 = time.perf_counter()
 
   def open(self) -> list[dict]:
-    self._tmp = tempfile.TemporaryDirectory(prefix="cj-ep-")
-    self.ws = start_workspace(self.task, os.path.join(self._tmp.name, "ws"))
+    self._tmp = tempfile.mkdtemp(prefix="cj-ep-")  # removed by scratch.remove_tree: any depth
+    self.ws = start_workspace(self.task, os.path.join(self._tmp, "ws"))
     task = self.task
     hide = guards.installed_copies(task.package_modules) + ([task.path] if task.path else [])
     self.sandbox = Sandbox(self.ws, self.limits, mode=self.mode, hide=hide, env=test_env(task, self.ws))
@@ -202,7 +202,7 @@ class Episode:
                 grade(task, self.ws, self.grade_limits, self.mode))
     finally:
       if self._tmp is not None:
-        self._tmp.cleanup()
+        scratch.remove_tree(self._tmp)
     flags = guards.scan_trajectory(traj.calls, task) + ([over] if over else [])
     link = guards.outside_link_flag(traj.calls, result.details.get("removed_outside_links", []), task)
     flags += [link] if link else []

@@ -16,11 +16,10 @@ import dataclasses
 import os
 import shutil
 import stat
-import tempfile
 import time
 import xml.etree.ElementTree as ET
 
-from composer_jax.env import guards, oracle
+from composer_jax.env import guards, oracle, scratch
 from composer_jax.env.sandbox import Limits, Sandbox
 from composer_jax.env.tasks import Task
 
@@ -98,7 +97,7 @@ def run_tests(task: Task, root: str, limits: Limits, mode: str = "auto",
 
   Returns (outcomes by node id, exit code, output tail, whether a report was written).
   """
-  with tempfile.TemporaryDirectory(prefix="cj-report-") as rep:
+  with scratch.temp_dir("cj-report-") as rep:
     report = os.path.join(rep, "junit.xml")
     sb = Sandbox(root, limits, mode=mode, binds=[rep], hide=_hidden_from_sandbox(task))
     cmd = task.test_command.replace("{junitxml}", report)
@@ -137,7 +136,7 @@ def run_value_checks(task: Task, root: str, limits: Limits,
       text, expected[rel] = oracle.split_checks(f.read(), rel)
     with open(os.path.join(root, rel), "w", encoding="utf-8") as f:
       f.write(text)
-  with tempfile.TemporaryDirectory(prefix="cj-values-") as rep:
+  with scratch.temp_dir("cj-values-") as rep:
     probe, out = os.path.join(rep, "probe.py"), os.path.join(rep, "values.json")
     with open(probe, "w", encoding="utf-8") as f:
       f.write(oracle.PROBE_SOURCE)
@@ -204,7 +203,7 @@ def grade(task: Task, workspace: str, limits: Limits | None = None, mode: str = 
   t0 = time.perf_counter()
   limits = limits or Limits(timeout_s=float(task.limits.get("grade_timeout_s", 300)),
                             max_output_chars=4000)
-  with tempfile.TemporaryDirectory(prefix="cj-grade-") as tmp:
+  with scratch.temp_dir("cj-grade-") as tmp:
     dest = os.path.join(tmp, "ws")
     prep = prepare_grading_copy(task, workspace, dest)
     checks = None

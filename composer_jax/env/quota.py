@@ -13,17 +13,28 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Sequence
+from typing import NamedTuple
 
 
-def usage(roots: Sequence[str], max_bytes: int = 0, max_entries: int = 0) -> tuple[int, int]:
-  """(bytes, entries) under ``roots``. A file counts its length or its allocated blocks, whichever
-  is more (a sparse file counts its length: a copy may fill it in); a file with several hard links
-  counts once. The walk stops once ``max_bytes`` or ``max_entries`` (0: none) is passed."""
-  total, entries, seen = 0, 0, set()
-  stack = [r for r in roots if os.path.isdir(r)]
+MAX_DEPTH = 128  # folders deeper than this (or than the workspace began with) stop a call
+
+
+class Usage(NamedTuple):
+  bytes: int
+  entries: int
+  depth: int  # of the deepest folder, the roots' children at 1
+
+
+def usage(roots: Sequence[str], max_bytes: int = 0, max_entries: int = 0, max_depth: int = 0) -> Usage:
+  """What ``roots`` hold. A file counts its length or its allocated blocks, whichever is more (a
+  sparse file counts its length: a copy may fill it in); a file with several hard links counts once.
+  The walk stops once ``max_bytes``, ``max_entries`` or ``max_depth`` (0: none) is passed."""
+  total, entries, deepest, seen = 0, 0, 0, set()
+  stack = [(r, 0) for r in roots if os.path.isdir(r)]
   while stack:
+    path, depth = stack.pop()
     try:
-      it = os.scandir(stack.pop())
+      it = os.scandir(path)
     except OSError:  # removed meanwhile, or unreadable: nothing of it reaches the host's disk
       continue
     with it:
@@ -34,29 +45,36 @@ def usage(roots: Sequence[str], max_bytes: int = 0, max_entries: int = 0) -> tup
         except OSError:
           continue
         if stat.S_ISDIR(st.st_mode):
-          stack.append(e.path)
+          stack.append((e.path, depth + 1))
+          deepest = max(deepest, depth + 1)
         elif stat.S_ISREG(st.st_mode) and (st.st_nlink == 1 or (st.st_dev, st.st_ino) not in seen):
           if st.st_nlink > 1:
             seen.add((st.st_dev, st.st_ino))
           total += max(st.st_size, st.st_blocks * 512)
-        if (max_bytes and total > max_bytes) or (max_entries and entries > max_entries):
-          return total, entries
-  return total, entries
+        if ((max_bytes and total > max_bytes) or (max_entries and entries > max_entries)
+                or (max_depth and deepest > max_depth)):
+          return Usage(total, entries, deepest)
+  return Usage(total, entries, deepest)
 
 
-def over(roots: Sequence[str], max_mb: int, max_entries: int, base: tuple[int, int] = (0, 0)) -> str:
+def over(roots: Sequence[str], max_mb: int, max_entries: int, base: Usage = Usage(0, 0, 0)) -> str:
   """Why ``roots`` hold more than ``max_mb`` MB or ``max_entries`` entries (0: no bound) beyond
   ``base`` (their ``usage`` when the sandbox was made: a repository with its dependencies may start
-  large), or ""."""
+  large), or folders deeper than ``MAX_DEPTH`` (Python 3.11's recursive ``rmtree`` and ``copytree``
+  fail past ~1000 levels, and a loop of ``mkdir d; cd d`` makes 3000 in 3 s), or ""."""
   if not (max_mb or max_entries):
     return ""
-  cap_bytes = base[0] + (max_mb << 20) if max_mb else 0
-  cap_entries = base[1] + max_entries if max_entries else 0
-  total, entries = usage(roots, cap_bytes, cap_entries)
+  cap_bytes = base.bytes + (max_mb << 20) if max_mb else 0
+  cap_entries = base.entries + max_entries if max_entries else 0
+  cap_depth = max(MAX_DEPTH, base.depth)
+  total, entries, depth = usage(roots, cap_bytes, cap_entries, cap_depth)
   if cap_bytes and total > cap_bytes:
     return (f"the workspace grew by more than env.workspace_mb={max_mb} MB; a coding task needs no "
             "files this large")
   if cap_entries and entries > cap_entries:
     return (f"the workspace grew by more than env.workspace_files={max_entries} files and folders; "
             "a coding task needs no more")
+  if depth > cap_depth:
+    return (f"the workspace holds folders more than {cap_depth} levels deep; a coding task needs no "
+            "such nesting")
   return ""

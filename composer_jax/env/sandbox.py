@@ -62,7 +62,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
-from composer_jax.env import quota
+from composer_jax.env import quota, scratch
 from composer_jax.env.reaper import (
   _CALLS,
   _kill_cgroup,
@@ -355,7 +355,8 @@ class Sandbox:
     self.extra_env = dict(env or {})
     self.stopped: list[str] = []  # why each call stopped for its disk use (the episode ends on one)
     self._roots = [self.workspace, *self.binds]  # what a call may write to on the host
-    self._base = quota.usage(self._roots) if limits.workspace_mb or limits.workspace_files else (0, 0)
+    bounded = limits.workspace_mb or limits.workspace_files
+    self._base = quota.usage(self._roots) if bounded else quota.Usage(0, 0, 0)
     self.use_bwrap = False
     if model_driven:
       mode = require_isolation(mode, "a model-driven sandbox")
@@ -501,7 +502,7 @@ class Sandbox:
     if not cgroup and not self.use_bwrap:
       _kill_marked(f"COMPOSER_JAX_SANDBOX_CALL={marker}".encode())
     if private:
-      shutil.rmtree(private, ignore_errors=True)
+      scratch.remove_tree(private)
 
 
 def _warn_fallback() -> None:
