@@ -49,6 +49,14 @@ SKIP_DIRS = {".git", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache
              "node_modules", ".deps"}
 
 
+def _encodable(text: str) -> bool:
+  try:
+    text.encode("utf-8")
+    return True
+  except UnicodeEncodeError:
+    return False
+
+
 @dataclasses.dataclass
 class Observation:
   tool: str
@@ -79,12 +87,16 @@ class ToolBox:
     fn = getattr(self, f"_tool_{call.name}", None)
     if fn is None:
       return Observation(call.name, f"unknown tool {call.name!r}", False)
+    for name, value in call.args.items():  # what no path, file or command can hold
+      if isinstance(value, str) and ("\x00" in value or not _encodable(value)):
+        return Observation(call.name, f"argument {name!r} holds a NUL or an unpaired surrogate "
+                           "character; remove it", False)
     try:
       text = fn(**call.args)
       ok = True
     except ToolError as e:
       text, ok = str(e), False
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, ValueError) as e:  # a tool's failure is the model's observation, never a crash
       text, ok = f"{type(e).__name__}: {e}", False
     text, _ = clip_output(text, self.max_output_chars)
     return Observation(call.name, text, ok)

@@ -67,6 +67,22 @@ def test_search_counts_and_cap(box):
   assert "1 files\npkg/m.py" in call(tb, "find", pattern="*.py").text
 
 
+def test_no_argument_makes_a_tool_raise(box):
+  """A byte-level tokenizer can emit a NUL byte, and ``os.path`` and ``subprocess`` raise
+  ValueError on one; a call that raised out of ``execute`` failed its rollout unit, and three such
+  units stop an RL run. Every argument of every tool, NUL or unpaired surrogate, is an error
+  observation instead."""
+  from composer_jax.env.tools import SPECS
+  tb, _ = box
+  for spec in SPECS.values():
+    for arg in [a for a in spec.args if a.kind == "str"]:
+      for bad in ("a\x00b", "\udcff"):
+        args = {a.name: bad if a is arg else ("pkg/m.py" if a.name == "path" else "a")
+                for a in spec.args if a.kind == "str"}
+        o = tb.execute(ToolCall(spec.name, args))
+        assert not o.ok and "NUL or an unpaired surrogate" in o.text, (spec.name, arg.name, o.text)
+
+
 def test_a_pattern_that_backtracks_without_end_is_stopped(box):
   """``search`` runs on the host: under ``re``, ``(a|aa)+$`` over a line of 40 a's and a ``!``
   takes days (24 a's took 1.6 s, x4 per two more), and the worker that ran it hung with it."""
