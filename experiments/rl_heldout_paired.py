@@ -5,7 +5,9 @@ This draws N more instances of the training templates (none of them a training, 
 task of the run), evaluates the run's SFT policy and one or more RL policies on them exactly as the
 main job does (`eval_run_dir`, `run.eval_samples` samples), and reports each RL policy's per-task
 difference from SFT with a paired bootstrap interval (`recipe.paired_difference`), overall and per
-family. An evaluation already written under OUT is reused, so more RL policies can be added later.
+family. An evaluation already written under OUT (default RUN_DIR/paired) is reused, so more RL
+policies can be added later; each carries a stamp of the checkpoint and overrides it evaluated, and
+one of anything else is refused in one line rather than reused.
 
     python -m experiments.rl_heldout_paired --run RUN_DIR [--rl NAME=RL_RUN_DIR ...] [--tasks 300]
         [--out DIR] [--result NAME] [--eval-override rl.temperature=0.7 ...] [--compare A:B ...]
@@ -28,6 +30,7 @@ each task's difference averaged over the pairs, with its bootstrap interval over
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 
@@ -48,16 +51,50 @@ from composer_jax.rl.loop import eval_run_dir
 from experiments.common import write_result
 
 
+def stamp(run_dir: str, overrides: list[str], samples: int) -> dict:
+  """What an evaluation under OUT was of: the policy folder, its checkpoints' files (name, size,
+  mtime), the overrides and the samples a task. A stale OUT from another run held other weights
+  under the same name, and was reused silently before this stamp."""
+  ckpt = os.path.join(run_dir, "checkpoints")
+  files = []
+  for dirpath, _, names in os.walk(ckpt):
+    for name in names:
+      st = os.stat(os.path.join(dirpath, name))
+      files.append([os.path.relpath(os.path.join(dirpath, name), ckpt), st.st_size, st.st_mtime_ns])
+  digest = hashlib.sha256(json.dumps(sorted(files)).encode()).hexdigest()[:16]
+  return {"policy": os.path.realpath(run_dir), "checkpoints": digest, "overrides": list(overrides),
+          "samples": samples}
+
+
+def read_stamp(folder: str) -> dict:
+  try:
+    with open(os.path.join(folder, "stamp.json")) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {"policy": "an unknown policy (no stamp.json)"}
+
+
 def fresh_tasks(run: str, n: int, seed: int, out: str) -> list:
-  if not os.path.exists(os.path.join(out, "synthetic_report.json")):
-    taken = set()
-    for split in ("train", "rl", "heldout"):
-      rep = os.path.join(run, "tasks", split, "synthetic_report.json")
-      if os.path.exists(rep):
-        with open(rep) as f:
-          taken |= {i.rsplit("-", 1)[1] for i in json.load(f)["instance_ids"]}
-    templates = load_config(os.path.join(run, "config.yaml")).run.train_templates
+  """``n`` instances of the run's training templates that are none of its tasks; ones already drawn
+  into ``out`` are reused only when drawn for the same tasks, count and seed (else refused)."""
+  taken = set()
+  for split in ("train", "rl", "heldout"):
+    rep = os.path.join(run, "tasks", split, "synthetic_report.json")
+    if os.path.exists(rep):
+      with open(rep) as f:
+        taken |= {i.rsplit("-", 1)[1] for i in json.load(f)["instance_ids"]}
+  templates = load_config(os.path.join(run, "config.yaml")).run.train_templates
+  want = {"tasks": n, "seed": seed, "templates": list(templates),
+          "taken": hashlib.sha256(json.dumps(sorted(taken)).encode()).hexdigest()[:16]}
+  if os.path.exists(os.path.join(out, "synthetic_report.json")):
+    held = read_stamp(out)
+    if held != want:
+      raise SystemExit(f"--out: {out} holds tasks drawn for another run or setting ({held}); give "
+                       "this evaluation its own --out or delete that folder")
+  else:
     synthetic.generate(n, seed, out, split="heldout", templates=templates, exclude=taken)
+    with open(os.path.join(out, "stamp.json"), "w") as f:
+      json.dump(want, f)
   return load_tasks(out)
 
 
@@ -69,7 +106,7 @@ def main() -> None:
                   help="NAME=RL_RUN_DIR ... (repeatable; default: rl=RUN/rl)")
   ap.add_argument("--tasks", type=int, default=300)
   ap.add_argument("--seed", type=int, default=1234)
-  ap.add_argument("--out", default="/tmp/rl_heldout_paired")
+  ap.add_argument("--out", default=None, help="where the evaluations go (default: RUN/paired)")
   ap.add_argument("--result", default="rl_heldout_paired", help="results/NAME.json to write")
   ap.add_argument("--eval-override", nargs="+", action="extend", default=[],
                   help="config overrides for every evaluation, after run.eval_overrides (repeatable)")
@@ -92,14 +129,17 @@ def main() -> None:
   samples = cfg.run.eval_samples if args.samples is None else args.samples
   if samples < 1:
     raise SystemExit(f"--samples {samples}: give at least 1")
-  for name in policies:  # an evaluation reused from OUT must have this many samples a task
+  args.out = args.out or os.path.join(args.run, "paired")
+  stamps = {name: stamp(d, overrides, samples) for name, d in policies.items()}
+  for name in policies:  # an evaluation reused from OUT must be of this very policy and setting
     path = os.path.join(args.out, name, "summary.json")
     if os.path.exists(path):
-      with open(path) as f:
-        held = json.load(f)["samples_per_task"]
-      if held != samples:
-        raise SystemExit(f"--samples {samples}: {path} holds {held} samples a task; give this "
-                         "--samples its own --out")
+      held = read_stamp(os.path.join(args.out, name))
+      if held != stamps[name]:
+        raise SystemExit(f"--out {args.out}: {name}/ holds an evaluation of {held.get('policy')} "
+                         f"(checkpoints {held.get('checkpoints')}, overrides {held.get('overrides')}, "
+                         f"{held.get('samples')} samples), not of {stamps[name]['policy']} as asked; "
+                         "give this evaluation its own --out or delete that folder")
   ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64) if k <= samples} | {samples})
   pairs = [c.split(":", 1) for c in args.compare]
   for c, pair in zip(args.compare, pairs):  # before any task is drawn or evaluated
@@ -116,6 +156,8 @@ def main() -> None:
     path = os.path.join(args.out, name, "summary.json")
     if not os.path.exists(path):
       eval_run_dir(run_dir, tasks, samples, os.path.join(args.out, name), overrides, log=lambda m: None)
+      with open(os.path.join(args.out, name, "stamp.json"), "w") as f:
+        json.dump(stamps[name], f)
     with open(path) as f:
       evals[name] = json.load(f)
   sft = evals["sft"]["per_task"]
