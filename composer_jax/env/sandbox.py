@@ -32,7 +32,8 @@ memory cgroup can be made, it bounds the call's resident memory as a whole at ``
 call asks the OOM killer to take it first (``oom_score_adj`` 1000), so memory pressure ends the
 sandboxed command, not the learner. The private ``/tmp`` is a tmpfs of at most ``tmp_mb``. The
 workspace and ``binds`` may grow by ``workspace_mb`` and ``workspace_files`` over their size when
-the sandbox was made (``env/quota.py``): measured before, during (every 0.2 s) and after a call, and
+the sandbox was made, and nest ``quota.MAX_DEPTH`` folders deep (``env/quota.py``): measured before,
+during (every 0.2 s) and after a call, and
 a call that passes them is stopped and ``ExecResult.stopped`` says why; one that would start over
 them does not run.
 
