@@ -33,9 +33,8 @@ call asks the OOM killer to take it first (``oom_score_adj`` 1000), so memory pr
 sandboxed command, not the learner. The private ``/tmp`` is a tmpfs of at most ``tmp_mb``. The
 workspace and ``binds`` may grow by ``workspace_mb`` and ``workspace_files`` over their size when
 the sandbox was made, and nest ``quota.MAX_DEPTH`` folders deep (``env/quota.py``): measured before,
-during (every 0.2 s) and after a call, and
-a call that passes them is stopped and ``ExecResult.stopped`` says why; one that would start over
-them does not run.
+during (every 0.2 s) and after a call, and a call that passes them is stopped and
+``ExecResult.stopped`` says why; one that would start over them does not run.
 
 Nothing outlives a call, in every mode: when the command returns (or times out) its process group is
 killed, then every process left in its cgroup; under bwrap the pid namespace dies with its init. In
