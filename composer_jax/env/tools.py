@@ -72,8 +72,10 @@ class ToolBox:
   """Executes parsed tool calls against one workspace."""
 
   def __init__(self, sandbox: Sandbox, max_output_chars: int = 8000, max_matches: int = 50,
-               max_view_lines: int = 400, search_timeout_s: float = 10.0):
+               max_view_lines: int = 400, search_timeout_s: float = 10.0,
+               max_file_bytes: int = 8 << 20):
     self.sandbox = sandbox
+    self.max_file_bytes = max_file_bytes
     self.search_timeout_s = search_timeout_s
     self.root = sandbox.workspace
     self.max_output_chars = max_output_chars
@@ -120,14 +122,24 @@ class ToolBox:
   def _read(self, full: str) -> str:
     if not os.path.isfile(full):
       raise ToolError(f"{self._rel(full)}: no such file")
+    self._check_size(full)
     with open(full, encoding="utf-8", errors="replace", newline="") as f:
       return f.read()
+
+  def _check_size(self, full: str) -> None:
+    """The file tools hold what they read in the worker's memory (and each edit's undo copy): a file
+    the terminal made as large as RLIMIT_FSIZE, edited every turn, would be gigabytes."""
+    size = os.path.getsize(full)
+    if size > self.max_file_bytes:
+      raise ToolError(f"{self._rel(full)}: {size / 1e6:.1f} MB, more than the file tools read "
+                      f"({self.max_file_bytes / 1e6:g} MB); use the terminal (head, sed -n, grep)")
 
   def _write(self, full: str, text: str) -> None:
     old = None
     if os.path.exists(full):
       if not os.path.isfile(full):  # a FIFO would block both opens
         raise ToolError(f"{self._rel(full)}: not a regular file")
+      self._check_size(full)
       with open(full, encoding="utf-8", errors="replace", newline="") as f:
         old = f.read()
     self.history.setdefault(full, []).append(old)
@@ -237,6 +249,12 @@ class ToolBox:
         if os.path.isfile(p) and self._inside(os.path.realpath(p)):
           yield p
 
+  def _small(self, full: str) -> bool:
+    try:
+      return os.path.getsize(full) <= self.max_file_bytes
+    except OSError:
+      return False
+
   def _tool_search(self, pattern: str, path: str | None = None, glob: str | None = None) -> str:
     # It runs on the host, so a pattern that backtracks without end (``(a|aa)+$`` over a line of
     # a's: days under ``re``) would hang the worker: ``regex`` (re's syntax, V0) takes a deadline.
@@ -248,8 +266,8 @@ class ToolBox:
     deadline = time.monotonic() + self.search_timeout_s
     shown, total, per_file = [], 0, []
     for f in self._walk(full):
-      if glob and not fnmatch.fnmatch(os.path.basename(f), glob):
-        continue
+      if glob and not fnmatch.fnmatch(os.path.basename(f), glob) or not self._small(f):
+        continue  # a file over max_file_bytes is skipped as a binary is
       try:
         with open(f, encoding="utf-8") as fh:
           lines = fh.read().splitlines()
@@ -292,7 +310,7 @@ class ToolBox:
     full = self._resolve(path)
     ruff = getattr(self.sandbox, "which", shutil.which)("ruff")  # a host shim is not visible inside
     cmd = ([ruff] if ruff else ["python", "-m", "ruff"]) + [
-        "check", "--no-cache", "--output-format", "concise", "--isolated", "--select", "E9,F",
+        "check", "--no-cache", "--output-format", "concise", "--isolated", "--select", "E9,F", "--",
         os.path.relpath(full, self.root)]
     r = self.sandbox.run(cmd, max_output_chars=self.max_output_chars)
     # ruff exits 1 for "problems found"; bwrap also exits 1 when it cannot start the program.

@@ -160,6 +160,24 @@ def test_an_episode_that_floods_the_disk_ends_flagged_and_ungraded(demo_tasks):
   assert guards.quota_flag([{"name": "view", "args": {}}]) is None
 
 
+def test_a_workspace_the_host_cannot_copy_fails_instead_of_raising(demo_tasks, monkeypatch):
+  """Under a non-root host user, ``chmod 000`` in the sandbox makes files the grading copy cannot
+  read (root reads them anyway, so the copy's error is simulated here). The episode scores 0 with
+  the reason, and its folder is still removed: raising would fail the rollout unit, and three
+  failed units stop an RL run."""
+  from composer_jax.env import episode as episode_mod
+  t = load_task(os.path.join(demo_tasks[0], "calc__calc.core.add"))
+  seen = []
+
+  def unreadable(task, ws, *args):
+    seen.append(os.path.dirname(ws))
+    raise PermissionError(13, "Permission denied", os.path.join(ws, "calc/core.py"))
+  monkeypatch.setattr(episode_mod, "grade", unreadable)
+  traj = run_episode(t, Scripted())
+  assert traj.reward == 0.0 and not traj.resolved and "PermissionError" in traj.grade["not_graded"]
+  assert seen and not os.path.exists(seen[0])
+
+
 def test_grading_restores_tests_and_removes_conftest(demo_tasks, tmp_path):
   t = load_task(os.path.join(demo_tasks[0], "calc__calc.core.add"))
   ws = start_workspace(t, str(tmp_path / "ws"))

@@ -83,6 +83,26 @@ def test_no_argument_makes_a_tool_raise(box):
         assert not o.ok and "NUL or an unpaired surrogate" in o.text, (spec.name, arg.name, o.text)
 
 
+def test_files_too_large_for_the_host_side_tools_are_left_to_the_terminal(box):
+  """The file tools read into the worker's memory, and keep each edit's old text for undo: a file the
+  terminal made as large as RLIMIT_FSIZE, edited every turn, would hold gigabytes there."""
+  tb, root = box
+  tb.max_file_bytes = 1 << 20
+  (root / "big.txt").write_text("alpha\n" * 200_000)  # 1.2 MB
+  for name, args in [("view", {"path": "big.txt"}), ("str_replace", {"path": "big.txt", "old": "alpha",
+                                                                     "new": "beta"}),
+                     ("insert", {"path": "big.txt", "line": 0, "text": "x"}),
+                     ("create", {"path": "big.txt", "content": "small"})]:
+    o = call(tb, name, **args)
+    assert not o.ok and "more than the file tools read" in o.text and "terminal" in o.text, name
+  assert (root / "big.txt").stat().st_size == 1_200_000
+  o = call(tb, "search", pattern="alpha")  # skipped, as a binary is
+  assert o.ok and o.text.startswith("2 matches in 1 files")
+  (root / "-x.py").write_text("import os\n")  # a name ruff would read as an option
+  o = call(tb, "lint", path="-x.py")
+  assert o.ok and "F401" in o.text
+
+
 def test_a_pattern_that_backtracks_without_end_is_stopped(box):
   """``search`` runs on the host: under ``re``, ``(a|aa)+$`` over a line of 40 a's and a ``!``
   takes days (24 a's took 1.6 s, x4 per two more), and the worker that ran it hung with it."""
