@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import shutil
 import stat
 import time
 import xml.etree.ElementTree as ET
 
-from composer_jax.env import guards, oracle, scratch
+from composer_jax.env import canary, guards, oracle, scratch
 from composer_jax.env.sandbox import Limits, Sandbox
 from composer_jax.env.tasks import Task
 
@@ -198,8 +199,27 @@ def verdict(fail_to_pass: list, pass_to_pass: list, outcomes: dict, exit_code: i
   }
 
 
-def grade(task: Task, workspace: str, limits: Limits | None = None, mode: str = "auto") -> GradeResult:
-  """Grade the agent's ``workspace`` for ``task``; the workspace itself is not modified."""
+def run_canaries(task: Task, workspace: str, limits: Limits, mode: str = "auto") -> dict:
+  """Run some FAIL_TO_PASS tests again in a fresh grading copy with an assert's expected literal
+  changed (``env/canary.py``): {"planted": node ids, "passed": the ones reported passed}."""
+  with scratch.temp_dir("cj-canary-") as tmp:
+    dest = os.path.join(tmp, "ws")
+    prepare_grading_copy(task, workspace, dest)
+    planted = canary.plant_all(dest, task.FAIL_TO_PASS)
+    if not planted:
+      return {"planted": [], "passed": []}
+    outcomes, _, _, _ = run_tests(task, dest, limits, mode, " ".join(shlex.quote(p) for p in planted))
+
+  def passed(nid):  # every parametrisation of it reported, and passed
+    got = [o for t, o in outcomes.items() if t == nid or t.startswith(nid + "[")]
+    return bool(got) and all(o == "passed" for o in got)
+  return {"planted": planted, "passed": [p for p in planted if passed(p)]}
+
+
+def grade(task: Task, workspace: str, limits: Limits | None = None, mode: str = "auto",
+          canaries: bool = True) -> GradeResult:
+  """Grade the agent's ``workspace`` for ``task``; the workspace itself is not modified. A
+  report-graded task that resolves is checked by canaries (``canaries=False``: the report alone)."""
   t0 = time.perf_counter()
   limits = limits or Limits(timeout_s=float(task.limits.get("grade_timeout_s", 300)),
                             max_output_chars=4000)
@@ -216,6 +236,10 @@ def grade(task: Task, workspace: str, limits: Limits | None = None, mode: str = 
                               task.hidden_tests)
   if checks is not None:
     details["hidden_checks"] = checks
+  if resolved and task.grader != "values" and canaries:  # a report that passes them is forged
+    details["canary"] = run_canaries(task, workspace, limits, mode)
+    if details["canary"]["passed"]:
+      resolved = details["resolved"] = False
   details.update(seconds=round(time.perf_counter() - t0, 3), **prep)
   consistent = details["report_consistent"]
   if not consistent:

@@ -127,7 +127,7 @@ def test_forgeries_score_zero(impl_task, tmp_path, hack):
                                   "    class I(int):\n        def __eq__(self, o):\n            return True\n"
                                   f"        __hash__ = int.__hash__\n    return I({body})")}
   ws = _ws(impl_task, tmp_path, overlay)
-  by_report = grade(dataclasses.replace(impl_task, grader="junit"), ws)
+  by_report = grade(dataclasses.replace(impl_task, grader="junit"), ws, canaries=False)
   by_values = grade(impl_task, ws)
   assert impl_task.grader == "values"
   assert by_values.reward == 0.0, (hack, by_values.details)
@@ -137,6 +137,10 @@ def test_forgeries_score_zero(impl_task, tmp_path, hack):
   assert grade_value(by_values.details, by_values.resolved, 0.5) == 0.0
   if hack in ("forge_report", "read_tests"):  # the hole that values grading closes
     assert by_report.reward == 1.0, (hack, by_report.details)
+    # and that the report grader's canaries catch (env/canary.py): the forged report, or the
+    # answers read from the asserts, pass a test whose expected value was changed
+    caught = grade(dataclasses.replace(impl_task, grader="junit"), ws)
+    assert caught.reward == 0.0 and caught.details["canary"]["passed"], (hack, caught.details)
   if hack == "int_subclass":  # the strict hidden check already caught it; values agree
     assert by_report.reward == 0.0
   if hack in ("forge_values", "probe_disabled"):  # the claim was read, and it was wrong

@@ -1,0 +1,66 @@
+"""env/canary.py: which asserts a canary changes, and that only their literal's characters change."""
+
+from __future__ import annotations
+
+from composer_jax.env import canary
+
+SRC = '''import pytest
+# a comment stays
+
+
+def test_int():
+    x = compute()
+    assert x == 5  # must run
+
+
+def test_left_and_list():
+    assert [1, 2] == f()
+
+
+def test_nested_only():
+    if flag:
+        assert g() == 3
+    for i in range(3):
+        assert h(i) == 4
+
+
+def test_not_eq():
+    assert k() != 3
+    assert k() < 4
+
+
+def test_str():
+    s = "é"
+    assert name(s) == "é-ok"
+
+
+class TestBox:
+    def test_method(self):
+        assert Box().size == 2.5
+
+
+def test_bool():
+    assert ok() == True
+'''
+
+
+def test_only_asserts_that_must_run_get_a_changed_literal_and_the_rest_reads_as_before():
+  names = ["test_int", "test_left_and_list", "test_nested_only", "test_not_eq", "test_str",
+           "TestBox::test_method", "test_bool", "test_missing"]
+  out, planted = canary.plant(SRC, names)
+  assert planted == ["test_int", "test_left_and_list", "test_str"]  # MAX_CANARIES = 3
+  assert "    assert x == 6  # must run\n" in out and "# a comment stays\n" in out
+  assert "    assert [2, 2] == f()\n" in out
+  assert '    assert name(s) == "é-okx"\n' in out  # its quotes kept, after a non-ASCII character
+  diff = [(a, b) for a, b in zip(SRC.splitlines(), out.splitlines()) if a != b]
+  assert len(diff) == 3 and len(SRC.splitlines()) == len(out.splitlines())
+  out, planted = canary.plant(SRC, ["test_nested_only", "test_not_eq", "TestBox::test_method",
+                                    "test_bool"])
+  assert planted == ["TestBox::test_method"] and "assert Box().size == 3.5" in out
+  assert canary.plant("def test_x(:\n", ["test_x"]) == ("def test_x(:\n", [])
+
+
+def test_candidates_group_node_ids_by_file_without_parametrisation():
+  got = canary.candidates(["tests/test_a.py::test_x[1-2]", "tests/test_a.py::test_x[3-4]",
+                           "tests/test_a.py::TestC::test_y", "tests/test_b.py::test_z", "weird"])
+  assert got == {"tests/test_a.py": ["test_x", "TestC::test_y"], "tests/test_b.py": ["test_z"]}
