@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import os
+import random
 
 MAX_CANARIES = 3  # test functions changed a task (each file's are run in one extra pytest call)
 
@@ -77,24 +78,30 @@ def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
   return out
 
 
-def plant(text: str, names: list[str]) -> tuple[str, list[str]]:
-  """``text`` with the expected literal changed in each function of ``names`` (node-id style names,
-  at most ``MAX_CANARIES``) that has one; returns (new text, the names changed)."""
+def _edits(text: str, names: list[str]) -> list[tuple[str, int, int, int, str]]:
+  """(name, line, start, end byte offsets, new literal text) for each function of ``names`` with a
+  literal to change; a literal spanning lines is left alone."""
   try:
     tree = ast.parse(text)
   except SyntaxError:
-    return text, []
-  fns = _functions(tree)
-  edits = []  # (name, line, col, end_col, new text); a literal spanning lines is left alone
-  lines = text.splitlines(keepends=True)
+    return []
+  fns, lines, edits = _functions(tree), text.splitlines(keepends=True), []
   for name in names:
     lit = _target(fns[name]) if name in fns else None
-    if lit is None or lit.lineno != lit.end_lineno or len(edits) >= MAX_CANARIES:
+    if lit is None or lit.lineno != lit.end_lineno:
       continue
     seg = lines[lit.lineno - 1].encode("utf-8")[lit.col_offset:lit.end_col_offset].decode("utf-8")
     new = _other(lit, seg)
     if new is not None:
       edits.append((name, lit.lineno, lit.col_offset, lit.end_col_offset, new))
+  return edits
+
+
+def plant(text: str, names: list[str]) -> tuple[str, list[str]]:
+  """``text`` with the expected literal changed in each function of ``names`` (node-id style names)
+  that has one, at most ``MAX_CANARIES``; returns (new text, the names changed)."""
+  edits = _edits(text, names)[:MAX_CANARIES]
+  lines = text.splitlines(keepends=True)
   for _, line, col, end, new in sorted(edits, key=lambda e: (e[1], -e[2])):
     raw = lines[line - 1].encode("utf-8")  # ast offsets count UTF-8 bytes
     lines[line - 1] = (raw[:col] + new.encode("utf-8") + raw[end:]).decode("utf-8")
@@ -112,18 +119,25 @@ def candidates(fail_to_pass: list[str]) -> dict[str, list[str]]:
   return out
 
 
-def plant_all(root: str, fail_to_pass: list[str]) -> list[str]:
+def plant_all(root: str, fail_to_pass: list[str], rng: random.Random | None = None) -> list[str]:
   """Plant canaries in the test files under ``root`` (a fresh grading copy, protected files already
-  restored), at most ``MAX_CANARIES`` in all; returns the node ids to run (none: no canary)."""
-  planted: list[str] = []
+  restored): at most ``MAX_CANARIES`` of the FAIL_TO_PASS functions that have a literal to change,
+  drawn at random each time (``rng``: a seeded one for tests), so no fixed set of tests is the one
+  a forgery must tell the truth about. Returns the node ids to run (none: no canary)."""
+  rng = rng or random.Random(os.urandom(8))
+  texts, pool = {}, []
   for file, names in candidates(fail_to_pass).items():
     path = os.path.join(root, file)
-    if len(planted) >= MAX_CANARIES or not os.path.isfile(path) or os.path.islink(path):
+    if not os.path.isfile(path) or os.path.islink(path):
       continue
     with open(path, encoding="utf-8") as f:
-      text, done = plant(f.read(), names[:MAX_CANARIES - len(planted)])
-    if done:
-      with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-      planted += [f"{file}::{n}" for n in done]
+      texts[file] = f.read()
+    pool += [(file, e[0]) for e in _edits(texts[file], names)]
+  chosen = rng.sample(pool, min(MAX_CANARIES, len(pool)))
+  planted: list[str] = []
+  for file in sorted({f for f, _ in chosen}):
+    text, done = plant(texts[file], [n for f, n in chosen if f == file])
+    with open(os.path.join(root, file), "w", encoding="utf-8") as f:
+      f.write(text)
+    planted += [f"{file}::{n}" for n in done]
   return planted

@@ -64,3 +64,22 @@ def test_candidates_group_node_ids_by_file_without_parametrisation():
   got = canary.candidates(["tests/test_a.py::test_x[1-2]", "tests/test_a.py::test_x[3-4]",
                            "tests/test_a.py::TestC::test_y", "tests/test_b.py::test_z", "weird"])
   assert got == {"tests/test_a.py": ["test_x", "TestC::test_y"], "tests/test_b.py": ["test_z"]}
+
+
+def test_plant_all_draws_at_most_three_canaries_at_random_from_the_tests_that_have_one(tmp_path):
+  import random
+  (tmp_path / "tests").mkdir()
+  body = "".join(f"def test_{i}():\n    assert f({i}) == {i * 10}\n\n\n" for i in range(6))
+  (tmp_path / "tests" / "test_a.py").write_text(body + "def test_none():\n    assert f()\n")
+  f2p = [f"tests/test_a.py::test_{i}" for i in range(6)] + ["tests/test_a.py::test_none"]
+  drawn = set()
+  for seed in range(8):
+    (tmp_path / "tests" / "test_a.py").write_text(body + "def test_none():\n    assert f()\n")
+    ids = canary.plant_all(str(tmp_path), f2p, random.Random(seed))
+    assert len(ids) == 3 and "tests/test_a.py::test_none" not in ids
+    text = (tmp_path / "tests" / "test_a.py").read_text()
+    for nid in ids:
+      i = int(nid.rsplit("_", 1)[1])
+      assert f"assert f({i}) == {i * 10 + 1}\n" in text
+    drawn.add(tuple(ids))
+  assert len(drawn) > 1  # not a fixed set a forgery could learn to tell the truth about
