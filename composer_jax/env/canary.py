@@ -119,25 +119,41 @@ def candidates(fail_to_pass: list[str]) -> dict[str, list[str]]:
   return out
 
 
-def plant_all(root: str, fail_to_pass: list[str], rng: random.Random | None = None) -> list[str]:
-  """Plant canaries in the test files under ``root`` (a fresh grading copy, protected files already
-  restored): at most ``MAX_CANARIES`` of the FAIL_TO_PASS functions that have a literal to change,
-  drawn at random each time (``rng``: a seeded one for tests), so no fixed set of tests is the one
-  a forgery must tell the truth about. Returns the node ids to run (none: no canary)."""
-  rng = rng or random.Random(os.urandom(8))
-  texts, pool = {}, []
+def draw(root: str, fail_to_pass: list[str], rng: random.Random | None = None) -> list[str]:
+  """At most ``MAX_CANARIES`` node ids of FAIL_TO_PASS functions under ``root`` that have a
+  literal to change, drawn at random each time (``rng``: a seeded one for tests), so no fixed set of
+  tests is the one a forgery must tell the truth about."""
+  pool = []
   for file, names in candidates(fail_to_pass).items():
-    path = os.path.join(root, file)
-    if not os.path.isfile(path) or os.path.islink(path):
+    text = _text(root, file)
+    pool += [f"{file}::{e[0]}" for e in _edits(text, names)] if text is not None else []
+  rng = rng or random.Random(os.urandom(8))
+  return sorted(rng.sample(pool, min(MAX_CANARIES, len(pool))))
+
+
+def plant_ids(root: str, ids: list[str]) -> list[str]:
+  """Plant the canaries ``ids`` (from ``draw``) in the test files under ``root`` (a fresh grading
+  copy, protected files restored); returns those planted."""
+  planted = []
+  for file, names in candidates(ids).items():
+    text = _text(root, file)
+    if text is None:
       continue
-    with open(path, encoding="utf-8") as f:
-      texts[file] = f.read()
-    pool += [(file, e[0]) for e in _edits(texts[file], names)]
-  chosen = rng.sample(pool, min(MAX_CANARIES, len(pool)))
-  planted: list[str] = []
-  for file in sorted({f for f, _ in chosen}):
-    text, done = plant(texts[file], [n for f, n in chosen if f == file])
+    text, done = plant(text, names)
     with open(os.path.join(root, file), "w", encoding="utf-8") as f:
       f.write(text)
     planted += [f"{file}::{n}" for n in done]
   return planted
+
+
+def plant_all(root: str, fail_to_pass: list[str], rng: random.Random | None = None) -> list[str]:
+  """``draw``, then ``plant_ids``: the node ids to run (none: no canary)."""
+  return plant_ids(root, draw(root, fail_to_pass, rng))
+
+
+def _text(root: str, file: str) -> str | None:
+  path = os.path.join(root, file)
+  if not os.path.isfile(path) or os.path.islink(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return f.read()

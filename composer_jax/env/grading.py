@@ -201,19 +201,35 @@ def verdict(fail_to_pass: list, pass_to_pass: list, outcomes: dict, exit_code: i
 
 def run_canaries(task: Task, workspace: str, limits: Limits, mode: str = "auto") -> dict:
   """Run some FAIL_TO_PASS tests again in a fresh grading copy with an assert's expected literal
-  changed (``env/canary.py``): {"planted": node ids, "passed": the ones reported passed}."""
+  changed (``env/canary.py``): {"planted": node ids, "passed": those reported passed}. A canary that
+  passes is run on the reference too, and one the reference also passes (a test whose assert says
+  yes to anything) is no evidence: it moves to "unsound"."""
   with scratch.temp_dir("cj-canary-") as tmp:
     dest = os.path.join(tmp, "ws")
     prepare_grading_copy(task, workspace, dest)
     planted = canary.plant_all(dest, task.FAIL_TO_PASS)
-    if not planted:
-      return {"planted": [], "passed": []}
-    outcomes, _, _, _ = run_tests(task, dest, limits, mode, " ".join(shlex.quote(p) for p in planted))
+    passed = _canaries_passed(task, dest, planted, limits, mode)
+    unsound = []
+    if passed and task.gold_dir and os.path.isdir(task.gold_dir):
+      ref = os.path.join(tmp, "reference")
+      shutil.copytree(task.workspace_dir, ref, symlinks=True)
+      for rel in task.gold_files:
+        shutil.copy(os.path.join(task.gold_dir, rel), os.path.join(ref, rel))
+      prepare_grading_copy(task, ref, os.path.join(tmp, "ref"))
+      unsound = _canaries_passed(task, os.path.join(tmp, "ref"),
+                                 canary.plant_ids(os.path.join(tmp, "ref"), passed), limits, mode)
+  return {"planted": planted, "passed": [p for p in passed if p not in unsound], "unsound": unsound}
+
+
+def _canaries_passed(task: Task, root: str, planted: list[str], limits: Limits, mode: str) -> list[str]:
+  if not planted:
+    return []
+  outcomes, _, _, _ = run_tests(task, root, limits, mode, " ".join(shlex.quote(p) for p in planted))
 
   def passed(nid):  # every parametrisation of it reported, and passed
     got = [o for t, o in outcomes.items() if t == nid or t.startswith(nid + "[")]
     return bool(got) and all(o == "passed" for o in got)
-  return {"planted": planted, "passed": [p for p in planted if passed(p)]}
+  return [p for p in planted if passed(p)]
 
 
 def grade(task: Task, workspace: str, limits: Limits | None = None, mode: str = "auto",

@@ -180,6 +180,25 @@ def test_a_fifo_in_place_of_the_values_or_the_report_fails_fast(impl_task, tmp_p
   assert out[0].reward == 0.0 and not out[0].details["report_found"]
 
 
+def test_a_canary_that_the_reference_passes_too_is_no_evidence(impl_task, tmp_path):
+  """A test whose assert says yes to anything passes its canary honestly. Such a canary is run on
+  the reference as well, and one the reference passes is set aside ("unsound"), not held against
+  the agent."""
+  from composer_jax.env.tasks import load_task
+  store = tmp_path / "task"
+  shutil.copytree(impl_task.path, store)
+  rel = next(t for t in impl_task.test_files if t.startswith("test_") and t not in impl_task.hidden_tests)
+  with open(store / "protected" / rel, "a", encoding="utf-8") as f:
+    f.write("\n\nclass _Yes:\n    def __eq__(self, other):\n        return True\n\n\n"
+            "def test_yes():\n    assert _Yes() == 5\n")
+  task = dataclasses.replace(load_task(str(store)), grader="junit", FAIL_TO_PASS=[f"{rel}::test_yes"])
+  ws = _ws(task, tmp_path, {g: read_text(os.path.join(task.gold_dir, g)) for g in task.gold_files})
+  r = grade(task, ws)
+  assert r.reward == 1.0, r.details
+  assert r.details["canary"] == {"planted": [f"{rel}::test_yes"], "passed": [],
+                                 "unsound": [f"{rel}::test_yes"]}
+
+
 def test_read_regular_reads_only_regular_files(tmp_path):
   (tmp_path / "f").write_bytes(b"abc")
   (tmp_path / "l").symlink_to(tmp_path / "f")
