@@ -222,6 +222,16 @@ def bwrap_available() -> bool:
   return _BWRAP_OK
 
 
+@functools.cache
+def _bwrap_sizes() -> bool:
+  """Whether this bubblewrap takes ``--size`` for a tmpfs (0.6 and later)."""
+  try:
+    r = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=20)
+  except (OSError, subprocess.TimeoutExpired):
+    return False
+  return "--size" in r.stdout + r.stderr
+
+
 def require_isolation(mode: str = "auto", what: str = "a model-driven run") -> str:
   """For anything a model drives: bubblewrap must work, whatever ``env.sandbox`` says (``off`` and
   ``auto`` fall back only for scripted policies and trusted set-up). Returns the mode to use."""
@@ -399,7 +409,8 @@ class Sandbox:
   def _argv(self, cmd: list[str], cwd: str) -> list[str]:
     if not self.use_bwrap:
       return cmd
-    tmp_size = ["--size", str(self.limits.tmp_mb << 20)] if self.limits.tmp_mb > 0 else []
+    sized = _bwrap_sizes()  # bubblewrap < 0.6 has no --size: the memory cgroup still bounds /tmp
+    tmp_size = ["--size", str(self.limits.tmp_mb << 20)] if self.limits.tmp_mb > 0 and sized else []
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
             *_system_args(self.network), "--dev", "/dev", "--proc", "/proc", *tmp_size, "--tmpfs", "/tmp",
             "--dir", "/tmp/home", *_interpreter_args()]
@@ -413,8 +424,8 @@ class Sandbox:
     for h in self.hide:  # a path outside every visible mount does not exist inside anyway
       if _under(h, visible):
         # an empty read-only tmpfs: a hidden folder is no place to write (nor a sink of host memory)
-        mounts.append((h, 1, ["--size", "4096", "--tmpfs", h, "--remount-ro", h] if os.path.isdir(h)
-                       else ["--ro-bind", "/dev/null", h]))
+        mounts.append((h, 1, [*(["--size", "4096"] if sized else []), "--tmpfs", h, "--remount-ro", h]
+                       if os.path.isdir(h) else ["--ro-bind", "/dev/null", h]))
     for _, _, args in sorted(mounts, key=lambda m: (m[0].rstrip("/").count("/"), m[1])):
       argv += args
     argv += ["--chdir", cwd, "--"]
