@@ -83,10 +83,15 @@ def _texts(repo: str, rels: list[str]) -> str:
 
 
 def _all_files(repo: str) -> list[str]:
-  out = []
+  """The repository's regular files: set-up commands ran in it, and a FIFO they left there would
+  block the ``open()`` of ``_texts`` for good, a link out of it would read a host file."""
+  out, real = [], os.path.realpath(repo)
   for dirpath, dirnames, filenames in os.walk(repo):
     dirnames[:] = [d for d in dirnames if d not in (".git", ".deps")]
-    out += [os.path.relpath(os.path.join(dirpath, f), repo) for f in filenames]
+    for f in filenames:
+      p = os.path.join(dirpath, f)
+      if os.path.isfile(p) and guards.within(real, os.path.realpath(p)):
+        out.append(os.path.relpath(p, repo))
   return sorted(out)
 
 

@@ -75,3 +75,20 @@ def test_real_sdist_generation(tmp_path):
   assert rep["baseline_tests"] > 200 and rep["kept"] == 1
   task = load_tasks(str(tmp_path))[0]
   assert run_episode(task, OraclePolicy()).reward == 1.0
+
+
+def test_generation_reads_only_the_repositorys_regular_files(tmp_path):
+  """Set-up commands (a model may propose them) run in the staging repo before generation reads its
+  test files: a FIFO named like a test would block that read for good, a link out of the repo would
+  read a host file."""
+  import os
+
+  from composer_jax.env.generate import _all_files
+  (tmp_path / "tests").mkdir()
+  (tmp_path / "tests" / "test_ok.py").write_text("def test_ok():\n    pass\n")
+  os.mkfifo(tmp_path / "tests" / "test_fifo.py")
+  outside = tmp_path.parent / f"{tmp_path.name}-host.py"
+  outside.write_text("secret = 1\n")
+  (tmp_path / "tests" / "test_link.py").symlink_to(outside)
+  (tmp_path / "tests" / "test_inner.py").symlink_to(tmp_path / "tests" / "test_ok.py")
+  assert _all_files(str(tmp_path)) == ["tests/test_inner.py", "tests/test_ok.py"]
