@@ -41,6 +41,11 @@ class TestBox:
 
 def test_bool():
     assert ok() == True
+
+
+class TestUnit(unittest.TestCase):
+    def test_eq(self):
+        self.assertEqual(total([1, 2]), 3)
 '''
 
 
@@ -57,6 +62,8 @@ def test_only_asserts_that_must_run_get_a_changed_literal_and_the_rest_reads_as_
   out, planted = canary.plant(SRC, ["test_nested_only", "test_not_eq", "TestBox::test_method",
                                     "test_bool"])
   assert planted == ["TestBox::test_method"] and "assert Box().size == 3.5" in out
+  out, planted = canary.plant(SRC, ["TestUnit::test_eq"])
+  assert planted == ["TestUnit::test_eq"] and "self.assertEqual(total([1, 2]), 4)" in out
   assert canary.plant("def test_x(:\n", ["test_x"]) == ("def test_x(:\n", [])
 
 
