@@ -210,14 +210,12 @@ def run_canaries(task: Task, workspace: str, limits: Limits, mode: str = "auto")
     planted = canary.plant_all(dest, task.FAIL_TO_PASS)
     passed = _canaries_passed(task, dest, planted, limits, mode)
     unsound = []
-    if passed and task.gold_dir and os.path.isdir(task.gold_dir):
-      ref = os.path.join(tmp, "reference")
-      shutil.copytree(task.workspace_dir, ref, symlinks=True)
+    if passed and os.path.isdir(task.gold_dir):  # the reference: the task's start, gold files over it
+      ref = os.path.join(tmp, "ref")
+      prepare_grading_copy(task, task.workspace_dir, ref)
       for rel in task.gold_files:
         shutil.copy(os.path.join(task.gold_dir, rel), os.path.join(ref, rel))
-      prepare_grading_copy(task, ref, os.path.join(tmp, "ref"))
-      unsound = _canaries_passed(task, os.path.join(tmp, "ref"),
-                                 canary.plant_ids(os.path.join(tmp, "ref"), passed), limits, mode)
+      unsound = _canaries_passed(task, ref, canary.plant_ids(ref, passed), limits, mode)
   return {"planted": planted, "passed": [p for p in passed if p not in unsound], "unsound": unsound}
 
 
