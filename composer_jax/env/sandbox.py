@@ -411,9 +411,11 @@ class Sandbox:
       return cmd
     sized = _bwrap_sizes()  # bubblewrap < 0.6 has no --size: the memory cgroup still bounds /tmp
     tmp_size = ["--size", str(self.limits.tmp_mb << 20)] if self.limits.tmp_mb > 0 and sized else []
+    # /dev/shm (POSIX shared memory: multiprocessing's locks) is a tmpfs of the same size as /tmp.
+    shm = [*tmp_size, "--tmpfs", "/dev/shm"] if tmp_size else []
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-            *_system_args(self.network), "--dev", "/dev", "--proc", "/proc", *tmp_size, "--tmpfs", "/tmp",
-            "--dir", "/tmp/home", *_interpreter_args()]
+            *_system_args(self.network), "--dev", "/dev", *shm, "--proc", "/proc", *tmp_size,
+            "--tmpfs", "/tmp", "--dir", "/tmp/home", *_interpreter_args()]
     if self.network:
       argv += ["--share-net"]
     # Parents before children, so the most specific mount wins: a hidden store above a workspace
@@ -428,7 +430,10 @@ class Sandbox:
                        if os.path.isdir(h) else ["--ro-bind", "/dev/null", h]))
     for _, _, args in sorted(mounts, key=lambda m: (m[0].rstrip("/").count("/"), m[1])):
       argv += args
-    argv += ["--chdir", cwd, "--"]
+    # bubblewrap's root and /dev are tmpfs of up to half the host's memory each: read-only, they
+    # are no place to write. What stays writable is bounded: the workspace and binds (``quota``),
+    # /tmp and /dev/shm (``tmp_mb``; without --size, /dev stays writable and the cgroup bounds it).
+    argv += ["--remount-ro", "/", *(["--remount-ro", "/dev"] if shm else []), "--chdir", cwd, "--"]
     return argv + cmd
 
   def run(self, command: str | Sequence[str], timeout: float | None = None, cwd: str | None = None,

@@ -333,12 +333,18 @@ def test_a_flood_of_files_or_through_a_bind_is_stopped(tmp_path, mode):
 
 @needs_bwrap
 def test_the_private_tmp_is_bounded(tmp_path):
-  """/tmp is a tmpfs, so what is written there is host memory (1.5 GB in 2 s, unbounded before)."""
+  """/tmp is a tmpfs, so what is written there is host memory (1.5 GB in 2 s, unbounded before).
+  So were bubblewrap's root and /dev (4 GB into /root in one call, stop 58): they are read-only
+  now, and /dev/shm is a tmpfs of the same bound as /tmp."""
   if not sbm._bwrap_sizes():
     pytest.skip("this bubblewrap (< 0.6) has no --size; the memory cgroup alone bounds /tmp")
   sb = Sandbox(str(tmp_path), Limits(timeout_s=20, tmp_mb=16), mode="required")
-  r = sb.run("head -c 64M /dev/zero > /tmp/f; wc -c < /tmp/f")
-  assert "No space left" in r.output and int(r.output.split()[-1]) <= 16 << 20
+  for where in ("/tmp", "/dev/shm"):
+    r = sb.run(f"head -c 64M /dev/zero > {where}/f; wc -c < {where}/f")
+    assert "No space left" in r.output and int(r.output.split()[-1]) <= 16 << 20, where
+  r = sb.run("for d in / /root /etc /dev; do (echo x > $d/cj-w) 2>/dev/null && echo wrote $d; done; "
+             "echo x > /dev/null && python -c 'import multiprocessing as m; m.Lock()' && echo ok")
+  assert r.output.split() == ["ok"], r.output
   hidden = tmp_path / "hidden"
   hidden.mkdir()
   r = Sandbox(str(tmp_path), QUICK, mode="required", hide=[str(hidden)]).run(f"echo x > {hidden}/f")
