@@ -208,7 +208,7 @@ class Episode:
         scratch.remove_tree(self._tmp)
     flags = guards.scan_trajectory(traj.calls, task) + ([over] if over else [])
     link = guards.outside_link_flag(traj.calls, result.details.get("removed_outside_links", []), task)
-    forged = guards.canary_flag(result.details, traj.calls)
+    forged = guards.probe_flag(result.details, traj.calls)
     flags += [f for f in (link, forged) if f]
     traj.flags = [dataclasses.asdict(f) for f in flags]
     traj.grade = result.details

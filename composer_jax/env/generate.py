@@ -161,7 +161,7 @@ def generate(repo: str, out_dir: str, name: str | None = None, source: dict | No
       return cand, None, None, f"deletion not syntax-clean ({type(e).__name__})"
     res = fd.with_changes(staging, changed, lambda d: run_tests(
         _probe_task(recipe, name), d, limits, mode))
-    outcomes, code, tail, have = res
+    outcomes, code, tail, have, _ = res
     if not have:
       return cand, changed, None, "test run produced no report (import broken or timeout)"
     return cand, changed, outcomes, None

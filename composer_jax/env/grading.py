@@ -20,7 +20,7 @@ import stat
 import time
 import xml.etree.ElementTree as ET
 
-from composer_jax.env import canary, guards, oracle, scratch
+from composer_jax.env import guards, oracle, probes, scratch
 from composer_jax.env.sandbox import Limits, Sandbox
 from composer_jax.env.tasks import Task
 
@@ -92,23 +92,33 @@ def test_env(task: Task, root: str) -> dict:
   return env
 
 
-def run_tests(task: Task, root: str, limits: Limits, mode: str = "auto",
-              extra_args: str = "") -> tuple[dict[str, str], int, str, bool]:
-  """Run the task's test command in a fresh sandbox over ``root``.
+def run_tests(task: Task, root: str, limits: Limits, mode: str = "auto", extra_args: str = "",
+              probed: bool = False) -> tuple[dict[str, str], int, str, bool, dict]:
+  """Run the task's test command in a fresh sandbox over ``root``; ``probed``: with the plugin that
+  records the values of the probes in rewritten test files (``env/probes.py``).
 
-  Returns (outcomes by node id, exit code, output tail, whether a report was written).
+  Returns (outcomes by node id, exit code, output tail, whether a report was written, the probed
+  values as ``probes.read_values``: {} when not ``probed``).
   """
   with scratch.temp_dir("cj-report-") as rep:
     report = os.path.join(rep, "junit.xml")
+    env = test_env(task, root)
+    if probed:
+      values = os.path.join(rep, "values.json")
+      with open(os.path.join(rep, "cj_probe_plugin.py"), "w", encoding="utf-8") as f:
+        f.write(probes.plugin_source(values))
+      env["PYTHONPATH"] = os.pathsep.join(p for p in (rep, env.get("PYTHONPATH")) if p)
+      extra_args = f"-p cj_probe_plugin {extra_args}"
     sb = Sandbox(root, limits, mode=mode, binds=[rep], hide=_hidden_from_sandbox(task))
     cmd = task.test_command.replace("{junitxml}", report)
     if extra_args:
       cmd = f"{cmd} {extra_args}"
-    r = sb.run(cmd, env=test_env(task, root), max_output_chars=4000)
+    r = sb.run(cmd, env=env, max_output_chars=4000)
     outcomes = read_junit(report)
+    seen = probes.read_values(values) if probed else {}
   if outcomes is None:
-    return {}, r.exit_code, r.output, False
-  return outcomes, r.exit_code, r.output, True
+    return {}, r.exit_code, r.output, False, seen
+  return outcomes, r.exit_code, r.output, True, seen
 
 
 def _hidden_from_sandbox(task: Task) -> list[str]:
@@ -199,41 +209,56 @@ def verdict(fail_to_pass: list, pass_to_pass: list, outcomes: dict, exit_code: i
   }
 
 
-def run_canaries(task: Task, workspace: str, limits: Limits, mode: str = "auto") -> dict:
-  """Run some FAIL_TO_PASS tests again in a fresh grading copy with an assert's expected literal
-  changed (``env/canary.py``): {"planted": node ids, "passed": those reported passed}. A canary that
-  passes is run on the reference too, and one the reference also passes (a test whose assert says
-  yes to anything) is no evidence: it moves to "unsound"."""
-  with scratch.temp_dir("cj-canary-") as tmp:
-    dest = os.path.join(tmp, "ws")
-    prepare_grading_copy(task, workspace, dest)
-    planted = canary.plant_all(dest, task.FAIL_TO_PASS)
-    passed = _canaries_passed(task, dest, planted, limits, mode)
-    unsound = []
-    if passed and os.path.isdir(task.gold_dir):  # the reference: the task's start, gold files over it
-      ref = os.path.join(tmp, "ref")
-      prepare_grading_copy(task, task.workspace_dir, ref)
-      for rel in task.gold_files:
-        shutil.copy(os.path.join(task.gold_dir, rel), os.path.join(ref, rel))
-      unsound = _canaries_passed(task, ref, canary.plant_ids(ref, passed), limits, mode)
-  return {"planted": planted, "passed": [p for p in passed if p not in unsound], "unsound": unsound}
+_REFERENCE = probes.ReferenceCache()
 
 
-def _canaries_passed(task: Task, root: str, planted: list[str], limits: Limits, mode: str) -> list[str]:
-  if not planted:
-    return []
-  outcomes, _, _, _ = run_tests(task, root, limits, mode, " ".join(shlex.quote(p) for p in planted))
+def run_probes(task: Task, workspace: str, limits: Limits, mode: str = "auto") -> dict:
+  """Run the FAIL_TO_PASS tests again with their literal comparisons moved to the host
+  (``env/probes.py``) in a fresh grading copy: {"checked": the node ids held to their probes,
+  "wrong": those the agent's code got wrong, "set_aside": those with no probe the reference
+  passes}. The reference's run is made once per task and process."""
+  files = sorted({n.split("::", 1)[0] for n in task.FAIL_TO_PASS if n.split("::", 1)[0].endswith(".py")})
+  rewritten, found = {}, []
+  for rel in files:  # from the task store: the originals, whatever the agent wrote
+    path = os.path.join(task.protected_dir, rel)
+    if os.path.isfile(path):
+      with open(path, encoding="utf-8") as f:
+        got = probes.rewrite(f.read(), rel)
+      if got is not None:
+        rewritten[rel] = got[0]
+        found += got[1]
+  probed = {p.test for p in found}
+  f2p = [n for n in task.FAIL_TO_PASS if probes.base_id(n) in probed]
+  out = {"checked": [], "wrong": [], "set_aside": [n for n in task.FAIL_TO_PASS if n not in f2p]}
+  if not f2p or not os.path.isdir(task.gold_dir):
+    return out
+  ids = " ".join(shlex.quote(t) for t in sorted({probes.base_id(n) for n in f2p}))
 
-  def passed(nid):  # every parametrisation of it reported, and passed
-    got = [o for t, o in outcomes.items() if t == nid or t.startswith(nid + "[")]
-    return bool(got) and all(o == "passed" for o in got)
-  return [p for p in planted if passed(p)]
+  def probe_run(src: str, gold: bool):
+    with scratch.temp_dir("cj-probe-") as tmp:
+      dest = os.path.join(tmp, "ws")
+      prepare_grading_copy(task, src, dest)
+      for rel in task.gold_files if gold else ():  # the reference: the task's start, gold over it
+        shutil.copy(os.path.join(task.gold_dir, rel), os.path.join(dest, rel))
+      for rel, text in rewritten.items():
+        with open(os.path.join(dest, rel), "w", encoding="utf-8") as f:
+          f.write(text)
+      outcomes, _, _, _, values = run_tests(task, dest, limits, mode, ids, probed=True)
+    return outcomes, values
+
+  checked = _REFERENCE.get(probes.reference_key(task, files),
+                           lambda: probes.sound(found, f2p, *probe_run(task.workspace_dir, True)))
+  out["set_aside"] += [n for n in f2p if n not in checked]
+  if checked:
+    out["checked"] = sorted(checked)
+    out["wrong"] = probes.verdict(found, checked, *probe_run(workspace, False))
+  return out
 
 
 def grade(task: Task, workspace: str, limits: Limits | None = None, mode: str = "auto",
-          canaries: bool = True) -> GradeResult:
+          probe: bool = True) -> GradeResult:
   """Grade the agent's ``workspace`` for ``task``; the workspace itself is not modified. A
-  report-graded task that resolves is checked by canaries (``canaries=False``: the report alone)."""
+  report-graded task that resolves is checked by value probes (``probe=False``: the report alone)."""
   t0 = time.perf_counter()
   limits = limits or Limits(timeout_s=float(task.limits.get("grade_timeout_s", 300)),
                             max_output_chars=4000)
@@ -245,14 +270,14 @@ def grade(task: Task, workspace: str, limits: Limits | None = None, mode: str = 
       outcomes, tail, have_report, checks = run_value_checks(task, dest, limits, mode)
       code = None
     else:
-      outcomes, code, tail, have_report = run_tests(task, dest, limits, mode)
+      outcomes, code, tail, have_report, _ = run_tests(task, dest, limits, mode)
   resolved, details = verdict(task.FAIL_TO_PASS, task.PASS_TO_PASS, outcomes, code, have_report,
                               task.hidden_tests)
   if checks is not None:
     details["hidden_checks"] = checks
-  if resolved and task.grader != "values" and canaries:  # a report that passes them is forged
-    details["canary"] = run_canaries(task, workspace, limits, mode)
-    if details["canary"]["passed"]:
+  if resolved and task.grader != "values" and probe:  # a report whose values are wrong is forged
+    details["probes"] = run_probes(task, workspace, limits, mode)
+    if details["probes"]["wrong"]:
       resolved = details["resolved"] = False
   details.update(seconds=round(time.perf_counter() - t0, 3), **prep)
   consistent = details["report_consistent"]

@@ -101,12 +101,16 @@ class _Rewrite(ast.NodeTransformer):
 _PARSE_LOCK = threading.Lock()
 
 
+def parse(source: str) -> ast.Module:
+  """``ast.parse`` under a process-wide lock (see above); the graders' only way to parse."""
+  with _PARSE_LOCK:
+    return ast.parse(source)
+
+
 def split_checks(source: str, file: str = "<test>") -> tuple[str, dict[str, list[Expected]]]:
   """``source`` with its checks turned into probes, and each test's expected values in order."""
   rw = _Rewrite(file)
-  with _PARSE_LOCK:
-    parsed = ast.parse(source)
-  tree = rw.visit(parsed)
+  tree = rw.visit(parse(source))
   if not rw.expected:
     raise NotValueChecks(f"{file}: no test function")
   empty = [t for t, e in rw.expected.items() if not e]
@@ -133,6 +137,8 @@ def encode(v, depth: int = 0):
     return ["float", repr(v)]
   if t is str:
     return ["str", v]
+  if t is bytes:
+    return ["bytes", v.hex()]
   if t in (list, tuple, set, frozenset):
     items = list(v)
     if t in (set, frozenset):
@@ -169,6 +175,8 @@ def decode(x, depth: int = 0):
       return float(x[1])
     if tag == "str" and type(x[1]) is str:
       return x[1]
+    if tag == "bytes" and type(x[1]) is str:
+      return bytes.fromhex(x[1])
     if tag in ("list", "tuple", "set", "frozenset"):
       items = [decode(i, depth + 1) for i in x[1]]
       return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
@@ -203,7 +211,7 @@ def outcomes(expected: dict[str, dict[str, list[Expected]]], results: dict) -> d
       if not isinstance(rec, dict):
         out[nid] = "error"
         continue
-      out[nid] = _outcome(exp, _seen(rec), rec.get("status") == "ok")
+      out[nid] = _outcome(exp, recorded(rec), rec.get("status") == "ok")
   return out
 
 
@@ -219,13 +227,13 @@ def checks_right(expected: dict[str, dict[str, list[Expected]]], results: dict,
     got_file = results.get(file) if isinstance(results, dict) else None
     for test, exp in expected.get(file, {}).items():
       rec = got_file.get(test) if isinstance(got_file, dict) else None
-      seen = _seen(rec) if isinstance(rec, dict) else {}
+      seen = recorded(rec) if isinstance(rec, dict) else {}
       total += len(exp)
       right += sum(bool(seen.get(e.index)) and all(matches(g, e) for g in seen[e.index]) for e in exp)
   return {"passed": right, "total": total}
 
 
-def _seen(rec: dict) -> dict[int, list]:
+def recorded(rec: dict) -> dict[int, list]:
   """{probe index: the decoded values it recorded} from one test's record (malformed items skipped)."""
   seen: dict[int, list] = {}
   values = rec.get("values")

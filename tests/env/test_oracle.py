@@ -18,7 +18,7 @@ import threading
 
 import pytest
 
-from composer_jax.env import oracle, synthetic
+from composer_jax.env import oracle, probes, synthetic
 from composer_jax.env.grading import grade
 from composer_jax.env.guards import read_regular
 from composer_jax.env.synthetic import TEMPLATES
@@ -127,7 +127,7 @@ def test_forgeries_score_zero(impl_task, tmp_path, hack):
                                   "    class I(int):\n        def __eq__(self, o):\n            return True\n"
                                   f"        __hash__ = int.__hash__\n    return I({body})")}
   ws = _ws(impl_task, tmp_path, overlay)
-  by_report = grade(dataclasses.replace(impl_task, grader="junit"), ws, canaries=False)
+  by_report = grade(dataclasses.replace(impl_task, grader="junit"), ws, probe=False)
   by_values = grade(impl_task, ws)
   assert impl_task.grader == "values"
   assert by_values.reward == 0.0, (hack, by_values.details)
@@ -137,10 +137,10 @@ def test_forgeries_score_zero(impl_task, tmp_path, hack):
   assert grade_value(by_values.details, by_values.resolved, 0.5) == 0.0
   if hack in ("forge_report", "read_tests"):  # the hole that values grading closes
     assert by_report.reward == 1.0, (hack, by_report.details)
-    # and that the report grader's canaries catch (env/canary.py): the forged report, or the
-    # answers read from the asserts, pass a test whose expected value was changed
-    caught = grade(dataclasses.replace(impl_task, grader="junit"), ws)
-    assert caught.reward == 0.0 and caught.details["canary"]["passed"], (hack, caught.details)
+    # The report grader's second layer, value probes (env/probes.py), is a pytest plugin: this
+    # task's runner is not pytest, so every test is set aside. On a pytest task they catch both
+    # (tests/env/test_tasks_grading.py::test_forged_reports_..._score_zero_on_the_value_probes).
+    assert grade(dataclasses.replace(impl_task, grader="junit"), ws).reward == 1.0
   if hack == "int_subclass":  # the strict hidden check already caught it; values agree
     assert by_report.reward == 0.0
   if hack in ("forge_values", "probe_disabled"):  # the claim was read, and it was wrong
@@ -178,25 +178,6 @@ def test_a_fifo_in_place_of_the_values_or_the_report_fails_fast(impl_task, tmp_p
   worker.join(60)
   assert not worker.is_alive(), "grading hung on the FIFO"
   assert out[0].reward == 0.0 and not out[0].details["report_found"]
-
-
-def test_a_canary_that_the_reference_passes_too_is_no_evidence(impl_task, tmp_path):
-  """A test whose assert says yes to anything passes its canary honestly. Such a canary is run on
-  the reference as well, and one the reference passes is set aside ("unsound"), not held against
-  the agent."""
-  from composer_jax.env.tasks import load_task
-  store = tmp_path / "task"
-  shutil.copytree(impl_task.path, store)
-  rel = next(t for t in impl_task.test_files if t.startswith("test_") and t not in impl_task.hidden_tests)
-  with open(store / "protected" / rel, "a", encoding="utf-8") as f:
-    f.write("\n\nclass _Yes:\n    def __eq__(self, other):\n        return True\n\n\n"
-            "def test_yes():\n    assert _Yes() == 5\n")
-  task = dataclasses.replace(load_task(str(store)), grader="junit", FAIL_TO_PASS=[f"{rel}::test_yes"])
-  ws = _ws(task, tmp_path, {g: read_text(os.path.join(task.gold_dir, g)) for g in task.gold_files})
-  r = grade(task, ws)
-  assert r.reward == 1.0, r.details
-  assert r.details["canary"] == {"planted": [f"{rel}::test_yes"], "passed": [],
-                                 "unsound": [f"{rel}::test_yes"]}
 
 
 def test_read_regular_reads_only_regular_files(tmp_path):
@@ -388,10 +369,12 @@ def test_split_checks_never_parses_in_two_threads_at_once(monkeypatch):
   monkeypatch.setattr(oracle.ast, "parse", slow_parse)
   src = "def test_a():\n    assert f(1) == 2\n"
   out = []
-  threads = [threading.Thread(target=lambda: out.append(oracle.split_checks(src))) for _ in range(6)]
+  # the report grader's probes (env/probes.py) parse under the same lock
+  jobs = [lambda: oracle.split_checks(src), lambda: probes.rewrite(src, "t.py")] * 3
+  threads = [threading.Thread(target=lambda job=job: out.append(job())) for job in jobs]
   for t in threads:
     t.start()
   for t in threads:
     t.join()
   assert len(out) == 6 and most[0] == 1
-  assert all(o == out[0] for o in out)
+  assert sum(o == oracle.split_checks(src) for o in out) == 3

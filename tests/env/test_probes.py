@@ -1,0 +1,269 @@
+"""env/probes.py: which comparisons become probes, that the rewritten tests compute what the
+originals compared, the plugin's record, and the host's verdict."""
+
+from __future__ import annotations
+
+import collections
+import decimal
+import enum
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from composer_jax.env import probes
+
+SRC = '''import unittest
+
+import mod
+
+
+def test_top():
+    assert mod.f(1) == 2
+    assert 3 == mod.f(2), "literal on the left"
+    s = "ééé"; assert mod.g(s) == "ééé!"
+
+
+def test_multiline():
+    assert mod.f(
+        4) == [
+        5,
+    ]
+    assert mod.h() == {"a": (1, 2.5), "b": b"x"}
+
+
+def test_nested():
+    for _ in range(2):
+        assert mod.f(0) == 1
+    with open(__file__):
+        assert mod.f(5) == 6
+
+
+def test_untouched():
+    assert mod.f(1) == mod.f(1)
+    assert mod.f(1)
+    assert mod.f(1) != 3
+    assert 1 == 1
+    assert mod.f(1) == ...
+
+
+def helper():
+    assert mod.f(1) == 2
+
+
+class TestUnit(unittest.TestCase):
+    def test_eq(self):
+        self.assertEqual(mod.f(3), 4, "with a message")
+        self.assertEqual(mod.f(6), mod.f(6))
+    def test_after(self):
+        raise ValueError("line kept")
+'''
+
+MOD_RIGHT = '''def f(x):
+    return [5] if x == 4 else x + 1
+
+
+def g(s):
+    return s + "!"
+
+
+def h():
+    return {"b": b"x", "a": (1, 2.5)}
+'''
+MOD_WRONG = MOD_RIGHT.replace("x + 1", "x + 2")
+
+
+def _rewritten():
+  got = probes.rewrite(SRC, "tests/test_m.py")
+  assert got is not None
+  return got
+
+
+def test_literal_comparisons_in_test_functions_become_probes_and_the_rest_reads_as_before():
+  text, found = _rewritten()
+  by_test = collections.defaultdict(list)
+  for p in found:
+    by_test[p.test.split("::", 1)[1]].append(p.want)
+  assert dict(by_test) == {
+      "test_top": [2, 3, "ééé!"], "test_multiline": [[5], {"a": (1, 2.5), "b": b"x"}],
+      "test_nested": [1, 6], "TestUnit::test_eq": [4]}
+  assert [p.index for p in found if p.test.endswith("::test_top")] == [0, 1, 2]
+  old, new = SRC.splitlines(), text.splitlines()
+  assert len(old) == len(new)  # tracebacks still point at the test's own lines
+  changed = {i + 1 for i, (a, b) in enumerate(zip(old, new)) if a != b}
+  assert changed == {7, 8, 9, 13, 14, 15, 16, 17, 22, 24, 41}  # 13-16: one statement
+  assert new[8] == '    s = "ééé"; __cj_probe__(2, (mod.g(s)))'
+  assert new[6] == "    __cj_probe__(0, (mod.f(1)))"
+  assert new[40] == "        __cj_probe__(0, (mod.f(3)))"
+  for lit in ("== 2", "3 ==", '"ééé!"', "== 1\n", "== 6", "4, \"with"):
+    assert lit not in "\n".join(new[6:24] + new[40:41]), lit  # no expected literal is left
+  assert "def helper():\n    assert mod.f(1) == 2" in text
+  assert probes.rewrite("def test_x(:\n", "t.py") is None
+
+
+def _run_rewritten(tmp_path, module_text):
+  """Run the original and the rewritten file's tests in-process with a recording probe:
+  {test: (the original passed, [(want, value), ...])}."""
+  text, found = _rewritten()
+  (tmp_path / "mod.py").write_text(module_text)
+  sys.path.insert(0, str(tmp_path))
+  sys.modules.pop("mod", None)
+  import builtins
+  try:
+    ns_old, ns_new = {"__file__": __file__}, {"__file__": __file__}
+    exec(compile(SRC, "old", "exec"), ns_old)
+    exec(compile(text, "new", "exec"), ns_new)
+    out = {}
+    for name in ("test_top", "test_multiline", "test_nested", "TestUnit::test_eq"):
+      def call(ns):
+        if "::" in name:
+          cls, meth = name.split("::")
+          return getattr(ns[cls](meth), meth)()
+        return ns[name]()
+      try:
+        call(ns_old)
+        passed = True
+      except AssertionError:
+        passed = False
+      current = []
+      builtins.__cj_probe__ = lambda i, v, current=current: current.append((i, v))
+      call(ns_new)
+      want = {p.index: p.want for p in found if p.test == f"tests/test_m.py::{name}"}
+      out[name] = (passed, [(want[i], v) for i, v in current])
+    return out
+  finally:
+    del builtins.__cj_probe__
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop("mod", None)
+
+
+@pytest.mark.parametrize("module", ["right", "wrong"])
+def test_the_rewritten_tests_probe_what_the_originals_compared(tmp_path, module):
+  """The independent reference is the original file run as written: a test passes iff every
+  value its probes saw equals the literal its assert held."""
+  runs = _run_rewritten(tmp_path, MOD_RIGHT if module == "right" else MOD_WRONG)
+  for name, (passed, seen) in runs.items():
+    assert seen, name
+    assert passed == all(v == w for w, v in seen), (name, seen)
+  if module == "wrong":
+    assert not runs["test_top"][0] and runs["test_multiline"][0]
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+class Level(enum.IntEnum):
+  HIGH = 3
+
+
+class Name(str):
+  pass
+
+
+class Yes:
+  def __eq__(self, other):
+    return True
+
+
+@pytest.mark.parametrize("value, want", [
+    (Point(1, 2), (1, 2)), (Level.HIGH, 3), (collections.OrderedDict(a=1), {"a": 1}),
+    (np.int64(7), 7), (np.float64(0.5), 0.5), (np.array([3]), [3]), (np.bool_(True), True),
+    (bytearray(b"ab"), b"ab"), (Name("n"), "n"), ([np.int32(1), (Level.HIGH,)], [1, (3,)]),
+    (collections.defaultdict(int, {1: np.int8(2)}), {1: 2})])
+def test_plain_gives_the_builtin_value_that_eq_compared(value, want):
+  got = probes.plain(value)
+  assert got == want and type(got) is type(want) and value == want
+  assert probes.right(probes.Probe("t", 0, want), [probes.oracle.decode(probes.oracle.encode(got))])
+
+
+@pytest.mark.parametrize("value", [decimal.Decimal("1.5"), Yes(), object()])
+def test_what_is_not_plain_data_stays_as_it_is_and_equals_nothing_on_the_host(value):
+  assert probes.plain(value) is value
+  assert not probes.right(probes.Probe("t", 0, 1.5), [probes.oracle.decode(probes.oracle.encode(value))])
+
+
+def test_the_plugin_records_each_tests_values_under_its_node_id(tmp_path):
+  text = ('import pytest\n\n\n@pytest.mark.parametrize("x", [1, 2])\ndef test_p(x):\n'
+          '    assert x * 10 == 10\n\n\nclass TestC:\n    def test_m(self):\n        assert "a" * 2 == "aa"\n'
+          '\n\ndef test_none():\n    pass\n')
+  new, found = probes.rewrite(text, "test_p.py")
+  (tmp_path / "test_p.py").write_text(new)
+  out, plugin = tmp_path / "rep" / "values.json", tmp_path / "rep" / "cj_probe_plugin.py"
+  plugin.parent.mkdir()
+  plugin.write_text(probes.plugin_source(str(out)))
+  env = {**os.environ, "PYTHONPATH": str(plugin.parent)}
+  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                      "cj_probe_plugin", "test_p.py"], cwd=tmp_path, env=env, capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode == 0, r.stdout + r.stderr
+  values = probes.read_values(str(out))
+  assert values == {"test_p.py::test_p[1]": {0: [10]}, "test_p.py::test_p[2]": {0: [20]},
+                    "test_p.py::TestC::test_m": {0: ["aa"]}}
+  outcomes = dict.fromkeys(values, "passed")
+  f2p = sorted(values)
+  checked = probes.sound(found, f2p, outcomes, values)
+  # test_p[2] fails its assert as written (20 != 10): the reference would not pass it either
+  assert checked == {"test_p.py::test_p[1]": [0], "test_p.py::TestC::test_m": [0]}
+
+
+def test_read_values_takes_nothing_malformed(tmp_path):
+  p = tmp_path / "v.json"
+  for blob in ("[" * 100000, "not json", '["list"]', '{"t": "x", "u": [[0]], "v": [["0", ["int", "1"]]]}'):
+    p.write_text(blob)
+    assert all(not rec for rec in probes.read_values(str(p)).values())
+  os.mkfifo(tmp_path / "fifo")
+  assert probes.read_values(str(tmp_path / "fifo")) == {}
+  assert probes.read_values(str(tmp_path / "missing")) == {}
+
+
+def test_the_verdict_holds_each_checked_test_to_the_probes_the_reference_passed():
+  found = [probes.Probe("t.py::test_a", 0, 5), probes.Probe("t.py::test_a", 1, "x"),
+           probes.Probe("t.py::test_b", 0, [1])]
+  f2p = ["t.py::test_a[1]", "t.py::test_a[2]", "t.py::test_b"]
+  ref_values = {"t.py::test_a[1]": {0: [5], 1: [6]}, "t.py::test_a[2]": {0: [5, 5], 1: ["x"]},
+                "t.py::test_b": {0: [[1]]}}
+  ref_out = {"t.py::test_a[1]": "passed", "t.py::test_a[2]": "passed", "t.py::test_b": "failed"}
+  checked = probes.sound(found, f2p, ref_out, ref_values)
+  assert checked == {"t.py::test_a[1]": [0], "t.py::test_a[2]": [0, 1]}  # test_b: the reference failed
+  passed = dict.fromkeys(f2p, "passed")
+  assert probes.verdict(found, checked, passed, ref_values) == []
+  assert probes.verdict(found, checked, passed, {**ref_values, "t.py::test_a[2]": {0: [5, 4], 1: ["x"]}}) \
+      == ["t.py::test_a[2]"]  # one wrong value of two
+  assert probes.verdict(found, checked, passed, {"t.py::test_a[2]": {0: [5], 1: ["x"]}}) \
+      == ["t.py::test_a[1]"]  # never reached
+  assert probes.verdict(found, checked, {**passed, "t.py::test_a[1]": "failed"}, ref_values) \
+      == ["t.py::test_a[1]"]
+  assert probes.verdict(found, checked, passed, {"t.py::test_a[1]": {0: [5]},
+                                                 "t.py::test_a[2]": {0: [5], 1: [probes.oracle.decode(["other", "Yes"])]}}) \
+      == ["t.py::test_a[2]"]
+
+
+def test_the_reference_is_computed_once_while_graders_wait_and_not_kept_when_it_raises():
+  cache, calls = probes.ReferenceCache(), []
+
+  def slow():
+    calls.append(1)
+    time.sleep(0.2)
+    return {"t": [0]}
+  got = []
+  threads = [threading.Thread(target=lambda: got.append(cache.get("k", slow))) for _ in range(8)]
+  for th in threads:
+    th.start()
+  for th in threads:
+    th.join()
+  assert got == [{"t": [0]}] * 8 and len(calls) == 1
+
+  def boom():
+    raise OSError("no sandbox")
+  with pytest.raises(OSError):
+    cache.get("k2", boom)
+  assert cache.get("k2", lambda: {}) == {}
+
+
+def test_values_file_json_round_trip_keeps_bytes():
+  assert probes.oracle.decode(json.loads(json.dumps(probes.oracle.encode(b"\x00\xff")))) == b"\x00\xff"
