@@ -285,6 +285,39 @@ def test_a_probe_the_reference_fails_is_set_aside(demo_tasks, tmp_path):
       "set_aside": ["tests/test_add.py::test_yes"]}
 
 
+def test_a_reference_run_with_no_report_is_not_kept(demo_tasks, tmp_path, monkeypatch):
+  """A reference run that writes no report (a timeout on a loaded host) checks nothing this time
+  and is not cached: the next grading of the task runs the reference again and checks the probes.
+  A test file that is not UTF-8 is left to the report."""
+  from composer_jax.env import grading
+  store = tmp_path / "task"
+  shutil.copytree(os.path.join(demo_tasks[0], "calc__calc.core.add"), store)
+  t = load_task(str(store))
+  ws = start_workspace(t, str(tmp_path / "ws"))
+  for rel in t.gold_files:
+    shutil.copy(os.path.join(t.gold_dir, rel), os.path.join(ws, rel))
+  real, calls = grading.run_tests, []
+
+  def flaky(task, root, limits, mode="auto", extra_args="", probed=False):
+    calls.append(probed)
+    if probed and calls.count(True) == 1:
+      return {}, 124, "timed out", False, {}
+    return real(task, root, limits, mode, extra_args, probed)
+  monkeypatch.setattr(grading, "run_tests", flaky)
+  r = grade(t, ws)
+  assert r.reward == 1.0 and r.details["probes"]["checked"] == []
+  assert r.details["probes"]["reference"] == "the reference's run wrote no report"
+  r = grade(t, ws)  # the reference again, then the agent's run
+  assert r.reward == 1.0 and r.details["probes"]["checked"] == ["tests/test_add.py::test_add"]
+  assert calls == [False, True, False, True, True]
+  (store / "protected" / "tests" / "test_add.py").write_bytes(
+      b"# -*- coding: latin-1 -*-\n# caf\xe9\nfrom calc import add\n\n\ndef test_add():\n"
+      b"    assert add(2, 3) == 5\n")
+  r = grade(t, ws)
+  assert r.reward == 1.0 and r.details["probes"] == {
+      "checked": [], "wrong": [], "set_aside": ["tests/test_add.py::test_add"]}
+
+
 def test_grading_restores_tests_and_removes_conftest(demo_tasks, tmp_path):
   t = load_task(os.path.join(demo_tasks[0], "calc__calc.core.add"))
   ws = start_workspace(t, str(tmp_path / "ws"))
