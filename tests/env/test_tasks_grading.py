@@ -200,6 +200,14 @@ _forge()
 '''
 
 
+def _solved(t, path: str) -> str:
+  """A fresh workspace for ``t`` with the gold files over it: the reference solution."""
+  ws = start_workspace(t, path)
+  for rel in t.gold_files:
+    shutil.copy(os.path.join(t.gold_dir, rel), os.path.join(ws, rel))
+  return ws
+
+
 # PYTEST_FORGERY, but only in a run of the whole suite: a second run, given node ids, is left
 # honest. That beat stop 57's canaries (a changed literal the honest-left code then failed: 1.0).
 PYTEST_FORGERY_FIRST_RUN_ONLY = PYTEST_FORGERY.replace(
@@ -234,18 +242,14 @@ def test_forged_reports_pass_the_real_tests_and_score_zero_on_the_value_probes(d
           "    result = a + b\n", "    result = _T.get((a, b))\n"),
   }
   for name, text in forgeries.items():
-    ws = start_workspace(t, str(tmp_path / name))
-    for rel in t.gold_files:  # calc/__init__.py exports add again
-      shutil.copy(os.path.join(t.gold_dir, rel), os.path.join(ws, rel))
+    ws = _solved(t, str(tmp_path / name))  # calc/__init__.py exports add again
     with open(os.path.join(ws, core), "w") as f:
       f.write(text)
     assert grade(t, ws, probe=False).reward == 1.0, name  # the hole
     r = grade(t, ws)
     assert r.reward == 0.0 and r.details["probes"]["wrong"] == ["tests/test_add.py::test_add"], (name, r.details)
     assert guards.probe_flag(r.details, [{"name": "create", "args": {}}]).rule == "forged_report"
-  honest = start_workspace(t, str(tmp_path / "honest"))
-  for rel in t.gold_files:
-    shutil.copy(os.path.join(t.gold_dir, rel), os.path.join(honest, rel))
+  honest = _solved(t, str(tmp_path / "honest"))
   r = grade(t, honest)
   assert r.reward == 1.0 and r.details["probes"] == {
       "checked": ["tests/test_add.py::test_add"], "wrong": [], "set_aside": []}
@@ -256,9 +260,7 @@ def test_a_test_with_no_literal_assert_is_left_to_the_report(demo_tasks, tmp_pat
   """``Stack.pop``'s ``test_pop_empty`` asserts a raise, not a value: it is set aside, and
   ``test_push_pop`` (``assert s.pop() == 2``) is held to its probe."""
   t = load_task(os.path.join(demo_tasks[0], "calc__calc.core.Stack.pop"))
-  ws = start_workspace(t, str(tmp_path / "ws"))
-  for rel in t.gold_files:
-    shutil.copy(os.path.join(t.gold_dir, rel), os.path.join(ws, rel))
+  ws = _solved(t, str(tmp_path / "ws"))
   r = grade(t, ws)
   assert r.reward == 1.0 and r.details["probes"] == {
       "checked": ["tests/test_stack.py::test_push_pop"], "wrong": [],
@@ -276,9 +278,7 @@ def test_a_probe_the_reference_fails_is_set_aside(demo_tasks, tmp_path):
             "def test_yes():\n    assert _Yes() == add(1, 1)\n    assert _Yes() == 5\n")
   t = load_task(str(store))
   t = dataclasses.replace(t, FAIL_TO_PASS=[*t.FAIL_TO_PASS, "tests/test_add.py::test_yes"])
-  ws = start_workspace(t, str(tmp_path / "ws"))
-  for rel in t.gold_files:
-    shutil.copy(os.path.join(t.gold_dir, rel), os.path.join(ws, rel))
+  ws = _solved(t, str(tmp_path / "ws"))
   r = grade(t, ws)
   assert r.reward == 1.0 and r.details["probes"] == {
       "checked": ["tests/test_add.py::test_add"], "wrong": [],
@@ -293,9 +293,7 @@ def test_a_reference_run_with_no_report_is_not_kept(demo_tasks, tmp_path, monkey
   store = tmp_path / "task"
   shutil.copytree(os.path.join(demo_tasks[0], "calc__calc.core.add"), store)
   t = load_task(str(store))
-  ws = start_workspace(t, str(tmp_path / "ws"))
-  for rel in t.gold_files:
-    shutil.copy(os.path.join(t.gold_dir, rel), os.path.join(ws, rel))
+  ws = _solved(t, str(tmp_path / "ws"))
   real, calls = grading.run_tests, []
 
   def flaky(task, root, limits, mode="auto", extra_args="", probed=False):
