@@ -93,12 +93,12 @@ def test_env(task: Task, root: str) -> dict:
 
 
 def run_tests(task: Task, root: str, limits: Limits, mode: str = "auto", extra_args: str = "",
-              probed: bool = False) -> tuple[dict[str, str], int, str, bool, dict]:
+              probed: bool = False) -> tuple[dict[str, str], int, str, bool, probes.Run]:
   """Run the task's test command in a fresh sandbox over ``root``; ``probed``: with the plugin that
   records the values of the probes in rewritten test files (``env/probes.py``).
 
-  Returns (outcomes by node id, exit code, output tail, whether a report was written, the probed
-  values as ``probes.read_values``: {} when not ``probed``).
+  Returns (outcomes by node id, exit code, output tail, whether a report was written, what the
+  plugin recorded as a ``probes.Run``: empty when not ``probed``).
   """
   with scratch.temp_dir("cj-report-") as rep:
     report = os.path.join(rep, "junit.xml")
@@ -115,7 +115,7 @@ def run_tests(task: Task, root: str, limits: Limits, mode: str = "auto", extra_a
       cmd = f"{cmd} {extra_args}"
     r = sb.run(cmd, env=env, max_output_chars=4000)
     outcomes = read_junit(report)
-    seen = probes.read_values(values) if probed else {}
+    seen = probes.read_run(values) if probed else probes.Run()
   if outcomes is None:
     return {}, r.exit_code, r.output, False, seen
   return outcomes, r.exit_code, r.output, True, seen
@@ -239,32 +239,41 @@ def run_probes(task: Task, workspace: str, limits: Limits, mode: str = "auto") -
     return out
   ids = " ".join(shlex.quote(t) for t in sorted({probes.base_id(n) for n in f2p}))
 
-  def probe_run(src: str, gold: bool):
+  def probe_run(src: str, gold: bool, collect: bool = False):
+    """The rewritten tests over ``src`` (``gold``: with the gold files over it); ``collect``: only
+    collect the original tests, for where each parametrized instance sits in its rows."""
     with scratch.temp_dir("cj-probe-") as tmp:
       dest = os.path.join(tmp, "ws")
       prepare_grading_copy(task, src, dest)
       for rel in task.gold_files if gold else ():  # the reference: the task's start, gold over it
         shutil.copy(os.path.join(task.gold_dir, rel), os.path.join(dest, rel))
-      for rel, text in rewritten.items():
+      for rel, text in () if collect else rewritten.items():
         with open(os.path.join(dest, rel), "w", encoding="utf-8") as f:
           f.write(text)
-      outcomes, _, _, have_report, values = run_tests(task, dest, limits, mode, ids, probed=True)
-    return outcomes, values, have_report
+      args = f"--collect-only {ids}" if collect else ids
+      outcomes, _, _, have_report, run = run_tests(task, dest, limits, mode, args, probed=True)
+    return outcomes, run, have_report
 
   def reference():
-    outcomes, values, have_report = probe_run(task.workspace_dir, True)
+    params = {}
+    if any(p.arg for p in found):  # the rewrite hid parametrize ids: learn them from the originals
+      items = probe_run(task.workspace_dir, True, collect=True)[1].items
+      params = {n: items[n] for n in f2p if n in items}
+    outcomes, run, have_report = probe_run(task.workspace_dir, True)
     if not have_report:  # a timeout on a loaded host, say: not kept, the next grading tries again
       raise _NoReference
-    return probes.sound(found, f2p, outcomes, values)
+    return probes.sound(found, f2p, *probes.by_test(f2p, params, outcomes, run), params), params
 
   try:
-    checked = _REFERENCE.get(probes.reference_key(task, files), reference)
+    checked, params = _REFERENCE.get(probes.reference_key(task, files), reference)
   except _NoReference:
-    checked, out["reference"] = {}, "the reference's run wrote no report"
+    checked, params, out["reference"] = {}, {}, "the reference's run wrote no report"
   out["set_aside"] += [n for n in f2p if n not in checked]
   if checked:
     out["checked"] = sorted(checked)
-    out["wrong"] = probes.verdict(found, checked, *probe_run(workspace, False)[:2])
+    outcomes, run, _ = probe_run(workspace, False)
+    out["wrong"] = probes.verdict(found, checked, *probes.by_test(list(checked), params, outcomes, run),
+                                  params)
   return out
 
 

@@ -45,7 +45,17 @@ MAX_VALUES_BYTES = 16 << 20  # the values file is read back only up to this size
 class Probe:
   test: str  # node id without parametrisation: "tests/test_a.py::TestX::test_y"
   index: int  # its number in that test function, in source order
-  want: object  # the literal, evaluated on the host
+  want: object  # the literal, evaluated on the host (None where ``arg`` is set)
+  arg: str | None = None  # the expected value is this parametrize argument ...
+  rows: tuple = ()  # ... whose literal in row k of its decorator is rows[k]
+
+  def want_at(self, indices: dict[str, int]):
+    """The expected value in the test instance whose parametrize rows are ``indices``
+    ({argname: row}); ``_NOT`` if none."""
+    if self.arg is None:
+      return self.want
+    k = indices.get(self.arg)
+    return self.rows[k] if type(k) is int and 0 <= k < len(self.rows) else _NOT
 
 
 _NOT = object()
@@ -75,19 +85,140 @@ def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST] | None:
   return None
 
 
-def _split(node: ast.AST) -> tuple[ast.AST, object] | None:
-  """(the computed side, the expected literal) of a comparison statement, the right side preferred
-  as the literal; None when neither or both sides are literals."""
+def _split(node: ast.AST, params=frozenset()) -> tuple[ast.AST, object, ast.AST] | None:
+  """(the computed side, the expected literal, the expected side) of a comparison statement, the
+  right side preferred as the expected one; None when neither or both sides are literals. A bare
+  name in ``params`` (a parametrize argument whose column is all literals) is expected too, and
+  stands for itself: its literals are the rows'."""
   sides = _sides(node)
   if sides is None:
     return None
+
+  def expected(side):
+    if isinstance(side, ast.Name) and side.id in params:
+      return side
+    return _value(side)
   a, b = sides
-  va, vb = _value(a), _value(b)
+  va, vb = expected(a), expected(b)
   if vb is not _NOT and va is _NOT:
-    return a, vb
+    return a, vb, b
   if va is not _NOT and vb is _NOT:
-    return b, va
+    return b, va, a
   return None
+
+
+# -- expected values from @pytest.mark.parametrize -----------------------------------------------
+# ``@pytest.mark.parametrize("x, want", [(1, 2), (2, 3)])`` over ``assert f(x) == want``: the
+# ``want`` column is in the decorator, and pytest's node ids (``test_f[1-2]``) spell every column.
+# The rewrite replaces the column's literals by their row numbers and gives the decorator opaque
+# ids (``cj0``, ``cj1``, ...). The plugin records each instance's row in each of its decorators
+# (``_rows``), and the host finds each FAIL_TO_PASS instance in the rewritten run by its rows,
+# collected from the original files in the reference's workspace. (pytest's own
+# ``callspec.indices`` count the product of stacked decorators, not rows; its ids cannot be
+# recomputed on the host: ``test_f[2_0]``, ``test_f[0-4-want1]``.)
+
+@dataclasses.dataclass
+class _Column:
+  arg: str
+  deco: ast.Call
+  cells: list  # the column's node in each row
+  values: tuple  # their literals
+
+
+def _param_rows(call: ast.Call):
+  """(argnames, [(row node, [cell nodes])]) of a ``parametrize`` decorator whose rows are written
+  in it; None for any other form (rows from a name, ``indirect=``, starred rows)."""
+  if len(call.args) != 2 or any(k.arg in (None, "indirect") for k in call.keywords):
+    return None
+  names, rows = call.args
+  names_v = _value(names)
+  if isinstance(names_v, str):
+    argnames = [x.strip() for x in names_v.split(",") if x.strip()]
+    single = len(argnames) == 1
+  elif isinstance(names_v, (list, tuple)) and all(isinstance(x, str) for x in names_v):
+    argnames, single = list(names_v), False
+  else:
+    return None
+  if not isinstance(rows, (ast.List, ast.Tuple)) or not argnames:
+    return None
+  out = []
+  for row in rows.elts:
+    if isinstance(row, ast.Call) and _attr(row.func) == "param":  # pytest.param(*cells, marks=, id=)
+      cells = row.args
+    elif single:
+      cells = [row]
+    elif isinstance(row, (ast.List, ast.Tuple)):
+      cells = row.elts
+    else:
+      return None
+    if len(cells) != len(argnames) or any(isinstance(c, ast.Starred) for c in cells):
+      return None
+    out.append((row, list(cells)))
+  return argnames, out
+
+
+def _attr(node: ast.AST) -> str | None:
+  return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+
+
+def _columns(fn: ast.FunctionDef) -> dict[str, _Column]:
+  """The parametrize arguments of ``fn`` that can be probed: every row holds a literal in the
+  column, and every use of the name in the body is the expected side of a comparison statement."""
+  cols = {}
+  for deco in fn.decorator_list:
+    if not (isinstance(deco, ast.Call) and _attr(deco.func) == "parametrize"):
+      continue
+    parsed = _param_rows(deco)
+    if parsed is None:
+      continue
+    argnames, rows = parsed
+    for j, arg in enumerate(argnames):
+      values = tuple(_value(cells[j]) for _, cells in rows)
+      if rows and all(v is not _NOT for v in values):
+        cols[arg] = _Column(arg, deco, [cells[j] for _, cells in rows], values)
+  if not cols:
+    return {}
+  body = [n for stmt in fn.body for n in ast.walk(stmt)]
+  sides = set()
+  for stmt in body:
+    split = _split(stmt, frozenset(cols)) if isinstance(stmt, (ast.Assert, ast.Expr)) else None
+    if split is not None and isinstance(split[2], ast.Name):
+      sides.add(id(split[2]))
+  for n in body:  # a use elsewhere (``len(want)``, a rebinding) keeps the column as it is
+    if isinstance(n, ast.Name) and n.id in cols and id(n) not in sides:
+      cols.pop(n.id)
+  return cols
+
+
+def _column_edits(at, text: str, cols: dict[str, _Column]) -> list[tuple[int, int, str]]:
+  """The edits that hide ``cols``' literals: its row number in each cell (newlines kept) and opaque
+  ids on each decorator they are in, including a ``pytest.param``'s own ``id=``."""
+  edits, decos = [], {}
+  for col in cols.values():
+    decos[id(col.deco)] = col.deco
+    for k, cell in enumerate(col.cells):
+      pad = "\n" * (cell.end_lineno - cell.lineno)
+      edits.append((at(cell.lineno, cell.col_offset), at(cell.end_lineno, cell.end_col_offset),
+                    f"({k}{pad})"))
+  for deco in decos.values():
+    rows = deco.args[1].elts
+    ids = "[" + ", ".join(f"'cj{k}'" for k in range(len(rows))) + "]"
+    for k, row in enumerate(rows):
+      for kw in (row.keywords if isinstance(row, ast.Call) else ()):
+        if kw.arg == "id":
+          v = kw.value
+          pad = "\n" * (v.end_lineno - v.lineno)
+          edits.append((at(v.lineno, v.col_offset), at(v.end_lineno, v.end_col_offset), f"('cj{k}'{pad})"))
+    given = next((kw.value for kw in deco.keywords if kw.arg == "ids"), None)
+    if given is not None:
+      pad = "\n" * (given.end_lineno - given.lineno)
+      edits.append((at(given.lineno, given.col_offset), at(given.end_lineno, given.end_col_offset),
+                    f"({ids}{pad})"))
+    else:
+      last = deco.keywords[-1].value if deco.keywords else deco.args[-1]
+      end = at(last.end_lineno, last.end_col_offset)
+      edits.append((end, end, f", ids={ids}"))
+  return edits
 
 
 def test_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
@@ -125,13 +256,14 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
     return None
   at, edits, probes = _offsets(text), [], []
   for name, fn in test_functions(tree).items():
-    found = sorted((n for n in ast.walk(fn) if isinstance(n, (ast.Assert, ast.Expr))),
+    cols = _columns(fn)
+    found = sorted((n for stmt in fn.body for n in ast.walk(stmt) if isinstance(n, (ast.Assert, ast.Expr))),
                    key=lambda n: (n.lineno, n.col_offset))
     for stmt in found:
-      split = _split(stmt)
+      split = _split(stmt, frozenset(cols))
       if split is None:
         continue
-      expr, want = split
+      expr, want, _ = split
       src = ast.get_source_segment(text, expr)
       if src is None:
         continue
@@ -139,7 +271,11 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
       pad = "\n" * ((stmt.end_lineno - stmt.lineno) - (expr.end_lineno - expr.lineno))
       edits.append((at(stmt.lineno, stmt.col_offset), at(stmt.end_lineno, stmt.end_col_offset),
                     f"{PROBE}({i}, ({src}){pad})"))
-      probes.append(Probe(f"{file}::{name}", i, want))
+      if isinstance(want, ast.Name):
+        probes.append(Probe(f"{file}::{name}", i, None, want.id, cols[want.id].values))
+      else:
+        probes.append(Probe(f"{file}::{name}", i, want))
+    edits += _column_edits(at, text, cols)
   for start, end, new in sorted(edits, reverse=True):
     text = text[:start] + new + text[end:]
   try:
@@ -188,6 +324,7 @@ import pytest
 OUT = {out!r}
 MAX_VALUES = {max_values}
 _values = {{}}
+_items = {{}}
 _current = [None]
 
 ''' + "{plain}\n\n{encode}" + r'''
@@ -204,6 +341,40 @@ def __cj_probe__(i, v):
 builtins.__cj_probe__ = __cj_probe__
 
 
+_ParameterSet = type(pytest.param(None))
+
+
+def _rows(item):
+    """{{argname: its row in its parametrize decorator}}, the rows found by the identity of the
+    instance's values (pytest passes the decorator's own objects); None where one is not found."""
+    spec = getattr(item, "callspec", None)
+    out = {{}}
+    for mark in (item.iter_markers("parametrize") if spec is not None else ()):
+        names = mark.kwargs.get("argnames", mark.args[0] if mark.args else None)
+        rows = mark.kwargs.get("argvalues", mark.args[1] if len(mark.args) > 1 else None)
+        single = isinstance(names, str) and len([x for x in names.split(",") if x.strip()]) == 1
+        names = [x.strip() for x in names.split(",") if x.strip()] if isinstance(names, str) else list(names or ())
+        if not names or not all(n in spec.params for n in names):
+            continue
+        for r, row in enumerate(rows if isinstance(rows, (list, tuple)) else ()):
+            cells = row.values if isinstance(row, _ParameterSet) else (row,) if single else row
+            if (isinstance(cells, (list, tuple)) and len(cells) == len(names)
+                    and all(spec.params[n] is c for n, c in zip(names, cells))):
+                out.update(dict.fromkeys(names, r))
+                break
+        else:
+            return None
+    return out
+
+
+def pytest_collection_modifyitems(session, config, items):
+    for item in items:
+        try:
+            _items[item.nodeid] = _rows(item)
+        except Exception:
+            _items[item.nodeid] = None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     _current[0] = item.nodeid
@@ -215,7 +386,7 @@ def pytest_runtest_call(item):
 
 def pytest_sessionfinish(session, exitstatus):
     with open(OUT, "w", encoding="utf-8") as f:
-        json.dump(_values, f)
+        json.dump({{"values": _values, "items": _items}}, f)
 '''
 
 
@@ -227,9 +398,16 @@ def plugin_source(out_path: str) -> str:
 
 # -- the host side ------------------------------------------------------------------------------
 
-def read_values(path: str) -> dict[str, dict[int, list]]:
-  """{node id: {probe index: decoded values}} from the plugin's file; {} when it is missing or
-  malformed (the code under test could have written it: it is a claim about values, no more)."""
+@dataclasses.dataclass
+class Run:
+  """What one probed run's plugin wrote: a claim about values, no more (the code under test could
+  have written it)."""
+  values: dict[str, dict[int, list]] = dataclasses.field(default_factory=dict)  # {node id: {probe: [values]}}
+  items: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)  # {node id: {arg: row}}
+
+
+def read_run(path: str) -> Run:
+  """The plugin's file as a ``Run``; empty where it is missing or malformed."""
   blob = read_regular(path, MAX_VALUES_BYTES)
   data = None
   if blob is not None:
@@ -237,51 +415,85 @@ def read_values(path: str) -> dict[str, dict[int, list]]:
       data = json.loads(blob)
     except (ValueError, UnicodeDecodeError, RecursionError):
       data = None
-  out: dict[str, dict[int, list]] = {}
-  for nid, rec in (data.items() if isinstance(data, dict) else ()):
+  data = data if isinstance(data, dict) else {}
+  run = Run()
+  values, items = data.get("values"), data.get("items")
+  for nid, rec in (values.items() if isinstance(values, dict) else ()):
     if isinstance(nid, str) and isinstance(rec, list):
-      out[nid] = oracle.recorded({"values": rec})
-  return out
+      run.values[nid] = oracle.recorded({"values": rec})
+  for nid, ix in (items.items() if isinstance(items, dict) else ()):
+    if isinstance(nid, str) and isinstance(ix, dict) and all(
+        isinstance(k, str) and type(v) is int for k, v in ix.items()):
+      run.items[nid] = ix  # an instance whose rows were not all found is left out
+  return run
 
 
 def base_id(nid: str) -> str:
   return nid.split("[", 1)[0]
 
 
-def right(probe: Probe, seen: list) -> bool:
-  """Every value ``probe`` recorded equals its literal (plain data on both sides)."""
-  e = oracle.Expected(probe.index, probe.want, False)
+def _key(nid: str, indices: dict[str, int]) -> tuple:
+  return base_id(nid), tuple(sorted(indices.items()))
+
+
+def by_test(f2p: list[str], params: dict[str, dict[str, int]], outcomes: dict[str, str],
+            run: Run) -> tuple[dict[str, str], dict[str, dict[int, list]]]:
+  """The run's outcomes and values under the FAIL_TO_PASS node ids. An instance whose parametrize
+  ids the rewrite made opaque is found by its rows (``params``, from collecting the original
+  files); an id ``params`` does not hold is its own (the rewrite kept it)."""
+  where = {_key(n, ix): n for n, ix in run.items.items() if ix is not None}
+  outs, vals = {}, {}
+  for nid in f2p:
+    got = where.get(_key(nid, params[nid])) if nid in params else nid
+    if got is not None:
+      outs[nid], vals[nid] = outcomes.get(got), run.values.get(got, {})
+  return outs, vals
+
+
+def right(probe: Probe, seen: list, indices: dict[str, int] | None = None) -> bool:
+  """Every value ``probe`` recorded, in the test instance with these parametrize rows, equals its
+  expected literal (plain data on both sides)."""
+  want = probe.want_at(indices or {})
+  if want is _NOT:
+    return False
+  e = oracle.Expected(probe.index, want, False)
   return bool(seen) and all(oracle.matches(g, e) for g in seen)
 
 
 def sound(probes: list[Probe], f2p: list[str], outcomes: dict[str, str],
-          values: dict[str, dict[int, list]]) -> dict[str, list[int]]:
-  """From the reference's run: {FAIL_TO_PASS node id: the indices of its probes that the reference
-  reached with the right value, in a test it passed}. Tests with none are left out."""
-  by_test: dict[str, list[Probe]] = {}
+          values: dict[str, dict[int, list]],
+          params: dict[str, dict[str, int]] | None = None) -> dict[str, list[int]]:
+  """From the reference's run (``by_test``'s view): {FAIL_TO_PASS node id: the indices of its
+  probes that the reference reached with the right value, in a test it passed}. Tests with none
+  are left out."""
+  params = params or {}
+  grouped: dict[str, list[Probe]] = {}
   for p in probes:
-    by_test.setdefault(p.test, []).append(p)
+    grouped.setdefault(p.test, []).append(p)
   out = {}
   for nid in f2p:
     if outcomes.get(nid) != "passed":
       continue
     seen = values.get(nid, {})
-    ok = [p.index for p in by_test.get(base_id(nid), []) if right(p, seen.get(p.index, []))]
+    ok = [p.index for p in grouped.get(base_id(nid), [])
+          if right(p, seen.get(p.index, []), params.get(nid))]
     if ok:
       out[nid] = ok
   return out
 
 
 def verdict(probes: list[Probe], checked: dict[str, list[int]], outcomes: dict[str, str],
-            values: dict[str, dict[int, list]]) -> list[str]:
+            values: dict[str, dict[int, list]],
+            params: dict[str, dict[str, int]] | None = None) -> list[str]:
   """The node ids of ``checked`` (``sound``'s) that the agent's run got wrong: not reported passed,
   or a probe the reference passed not reached, or reached with another value."""
+  params = params or {}
   want = {(p.test, p.index): p for p in probes}
   wrong = []
   for nid, indices in checked.items():
     seen = values.get(nid, {})
     if outcomes.get(nid) != "passed" or not all(
-        right(want[(base_id(nid), i)], seen.get(i, [])) for i in indices):
+        right(want[(base_id(nid), i)], seen.get(i, []), params.get(nid)) for i in indices):
       wrong.append(nid)
   return wrong
 

@@ -154,6 +154,101 @@ def test_the_rewritten_tests_probe_what_the_originals_compared(tmp_path, module)
     assert not runs["test_top"][0] and runs["test_multiline"][0]
 
 
+PARAM_SRC = """import pytest
+
+import mod
+
+
+@pytest.mark.parametrize("x, want", [
+    (1, 2),
+    (4, [5,
+         ]),
+    pytest.param(2, 3, id="two", marks=pytest.mark.filterwarnings("ignore")),
+])
+@pytest.mark.parametrize("k", [0, 5])
+def test_f(x, want, k):
+    assert mod.f(x) == want
+    assert mod.g(str(k)) == str(k) + "!"
+
+
+@pytest.mark.parametrize("s, want", [("a", "a!"), ("\u00e9", "\u00e9!")], ids=["first", "second"])
+def test_g(s, want):
+    assert want == mod.g(s)
+
+
+@pytest.mark.parametrize("want", [2, 3])
+def test_reused(want):
+    assert mod.f(1) == want
+    assert want > 0
+
+
+@pytest.mark.parametrize("want", [2, int("2")])
+def test_not_all_literals(want):
+    assert mod.f(1) == want
+"""
+
+
+def test_parametrized_expected_columns_become_probes_whose_literals_and_ids_leave_the_file():
+  text, found = probes.rewrite(PARAM_SRC, "t.py")
+  assert [(p.test, p.index, p.arg, p.rows) for p in found] == [
+      ("t.py::test_f", 0, "want", (2, [5], 3)), ("t.py::test_g", 0, "want", ("a!", "\u00e9!"))]
+  assert len(text.splitlines()) == len(PARAM_SRC.splitlines())
+  hidden = text[:text.index("def test_reused")]
+  for lit in ("(1, 2)", "[5,", "2, 3,", '"two"', '"a!"', '"\u00e9!"', '"first"'):
+    assert lit not in hidden, lit
+  assert "ids=['cj0', 'cj1', 'cj2'])" in text and "ids=(['cj0', 'cj1']))" in text
+  assert 'assert mod.g(str(k)) == str(k) + "!"' in text  # a computed expectation stays
+  assert text[text.index("def test_reused"):] == PARAM_SRC[PARAM_SRC.index("def test_reused"):]
+
+
+def _pytest(tmp_path, test_text, module_text, *args):
+  """Run ``test_text`` as t.py over ``module_text`` with the probe plugin: (outcomes from the
+  junit report by node id, the plugin's Run)."""
+  from composer_jax.env.grading import read_junit
+  (tmp_path / "t.py").write_text(test_text)
+  (tmp_path / "mod.py").write_text(module_text)
+  rep = tmp_path / "rep"
+  rep.mkdir(exist_ok=True)
+  (rep / "cj_probe_plugin.py").write_text(probes.plugin_source(str(rep / "values.json")))
+  env = {**os.environ, "PYTHONPATH": f"{rep}{os.pathsep}{tmp_path}"}
+  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                      "-o", "junit_family=xunit1", f"--junitxml={rep / 'junit.xml'}", "-p",
+                      "cj_probe_plugin", *args, "t.py"], cwd=tmp_path, env=env, capture_output=True,
+                     text=True, timeout=120)
+  assert r.returncode in (0, 1), r.stdout + r.stderr
+  return read_junit(str(rep / "junit.xml")) or {}, probes.read_run(str(rep / "values.json"))
+
+
+def test_parametrized_probes_are_right_exactly_where_the_original_instances_pass(tmp_path):
+  """The independent reference is the original file run as written under pytest: with the right
+  module as the reference and the wrong one as the agent, the verdict names exactly the checked
+  instances whose original fails. The rewritten run's node ids carry none of the hidden values."""
+  text, found = probes.rewrite(PARAM_SRC, "t.py")
+  _, collected = _pytest(tmp_path, PARAM_SRC, MOD_RIGHT, "--collect-only")
+  f2p = sorted(collected.items)
+  assert "t.py::test_f[5-two]" in f2p and "t.py::test_g[second]" in f2p and len(f2p) == 12
+  params = {n: collected.items[n] for n in f2p}
+  assert params["t.py::test_f[5-two]"] == {"k": 1, "x": 2, "want": 2}  # rows, not pytest's indices
+  ref_out, ref_run = _pytest(tmp_path, text, MOD_RIGHT)
+  assert all("cj" in n for n in ref_run.items if "test_f" in n or "test_g" in n)
+  assert not any(v in n for n in ref_run.items for v in ("two", "first", "a!", "-2]"))
+  checked = probes.sound(found, f2p, *probes.by_test(f2p, params, ref_out, ref_run), params)
+  assert sorted(checked) == [n for n in f2p if "test_f" in n or "test_g" in n]  # 6 + 2 instances
+
+  original_wrong, _ = _pytest(tmp_path, PARAM_SRC, MOD_WRONG)
+  failing = {n for n, o in original_wrong.items() if o != "passed"}
+  assert failing == {"t.py::test_f[0-1-2]", "t.py::test_f[5-1-2]", "t.py::test_f[0-two]",
+                     "t.py::test_f[5-two]", "t.py::test_reused[2]", "t.py::test_not_all_literals[2_0]",
+                     "t.py::test_not_all_literals[2_1]"}
+  out, run = _pytest(tmp_path, text, MOD_WRONG)
+  wrong = probes.verdict(found, checked, *probes.by_test(list(checked), params, out, run), params)
+  assert sorted(wrong) == sorted(failing & set(checked)) and len(wrong) == 4
+  assert probes.verdict(found, checked, *probes.by_test(list(checked), params, ref_out, ref_run), params) == []
+  # a forged map of instances to rows gains nothing: the values must still be the hidden ones
+  scrambled = probes.Run(run.values, dict(zip(run.items, reversed(list(run.items.values())))))
+  assert probes.verdict(found, checked, *probes.by_test(list(checked), params, out, scrambled), params)
+
+
 Point = collections.namedtuple("Point", "x y")
 
 
@@ -201,9 +296,12 @@ def test_the_plugin_records_each_tests_values_under_its_node_id(tmp_path):
                       "cj_probe_plugin", "test_p.py"], cwd=tmp_path, env=env, capture_output=True,
                      text=True, timeout=120)
   assert r.returncode == 0, r.stdout + r.stderr
-  values = probes.read_values(str(out))
+  run = probes.read_run(str(out))
+  values = run.values
   assert values == {"test_p.py::test_p[1]": {0: [10]}, "test_p.py::test_p[2]": {0: [20]},
                     "test_p.py::TestC::test_m": {0: ["aa"]}}
+  assert run.items == {"test_p.py::test_p[1]": {"x": 0}, "test_p.py::test_p[2]": {"x": 1},
+                       "test_p.py::TestC::test_m": {}, "test_p.py::test_none": {}}
   outcomes = dict.fromkeys(values, "passed")
   f2p = sorted(values)
   checked = probes.sound(found, f2p, outcomes, values)
@@ -211,14 +309,17 @@ def test_the_plugin_records_each_tests_values_under_its_node_id(tmp_path):
   assert checked == {"test_p.py::test_p[1]": [0], "test_p.py::TestC::test_m": [0]}
 
 
-def test_read_values_takes_nothing_malformed(tmp_path):
+def test_read_run_takes_nothing_malformed(tmp_path):
   p = tmp_path / "v.json"
-  for blob in ("[" * 100000, "not json", '["list"]', '{"t": "x", "u": [[0]], "v": [["0", ["int", "1"]]]}'):
+  for blob in ("[" * 100000, "not json", '["list"]', '{"values": ["x"], "items": 3}',
+               '{"values": {"t": "x", "u": [[0]], "v": [["0", ["int", "1"]]]},'
+               ' "items": {"t": {"x": "0"}, "u": [1], "v": {"x": 1.0}}}'):
     p.write_text(blob)
-    assert all(not rec for rec in probes.read_values(str(p)).values())
+    run = probes.read_run(str(p))
+    assert all(not rec for rec in run.values.values()) and run.items == {}, blob[:40]
   os.mkfifo(tmp_path / "fifo")
-  assert probes.read_values(str(tmp_path / "fifo")) == {}
-  assert probes.read_values(str(tmp_path / "missing")) == {}
+  assert probes.read_run(str(tmp_path / "fifo")) == probes.Run()
+  assert probes.read_run(str(tmp_path / "missing")) == probes.Run()
 
 
 def test_the_verdict_holds_each_checked_test_to_the_probes_the_reference_passed():

@@ -256,6 +256,62 @@ def test_forged_reports_pass_the_real_tests_and_score_zero_on_the_value_probes(d
   assert guards.probe_flag(r.details, []) is None
 
 
+# No row sums to 0: the forgery below falls back to 0, which would be right there.
+PARAMETRIZED = """
+
+import pytest
+
+
+@pytest.mark.parametrize("a, b, want", [(2, 3, 5), (-1, 4, 3), (10, 5, 15)])
+def test_add_many(a, b, want):
+    assert add(a, b) == want
+"""
+MANY = [f"tests/test_add.py::test_add_many[{i}]" for i in ("2-3-5", "-1-4-3", "10-5-15")]
+
+# Answers add() from what the test files and pytest's node ids say: the literal asserts, the
+# parametrize rows ``(a, b, want)``, or the running test's id ``test_add_many[a-b-want]``.
+ANSWER_FROM_ROWS_AND_IDS = r"""
+import os as _o, re as _r, glob as _g
+_T = {}
+for _p in _g.glob("tests/test_*.py"):
+    _src = open(_p).read()
+    for _a, _b, _v in _r.findall(r"add\((-?\d+), (-?\d+)\) == (-?\d+)", _src):
+        _T[(int(_a), int(_b))] = int(_v)
+    for _a, _b, _v in _r.findall(r"\((-?\d+), (-?\d+), (-?\d+)\)", _src):
+        _T[(int(_a), int(_b))] = int(_v)
+
+
+def _answer(a, b):
+    m = _r.search(r"\[(-?\d+)-(-?\d+)-(-?\d+)\]", _o.environ.get("PYTEST_CURRENT_TEST", ""))
+    if m and (int(m[1]), int(m[2])) == (a, b):
+        return int(m[3])
+    return _T.get((a, b), 0)
+"""
+
+
+def test_expected_values_from_parametrize_rows_are_probed_too(demo_tasks, tmp_path):
+  """``@pytest.mark.parametrize("a, b, want", ...)`` keeps its expected values in the decorator,
+  and pytest's node ids spell them (``test_add_many[2-3-5]``). Code that answers from the rows or
+  from the running test's id passes the real tests; the probe run hides the column and the ids, so
+  it scores 0 with every instance named. The reference is held to every instance."""
+  store = tmp_path / "task"
+  shutil.copytree(os.path.join(demo_tasks[0], "calc__calc.core.add"), store)
+  with open(store / "protected" / "tests" / "test_add.py", "a", encoding="utf-8") as f:
+    f.write(PARAMETRIZED)
+  t = dataclasses.replace(load_task(str(store)), FAIL_TO_PASS=["tests/test_add.py::test_add", *MANY])
+  core = "calc/core.py"
+  gold = open(os.path.join(t.gold_dir, core)).read()
+  forged = _solved(t, str(tmp_path / "forged"))
+  with open(os.path.join(forged, core), "w") as f:
+    f.write(ANSWER_FROM_ROWS_AND_IDS + gold.replace("    result = a + b\n", "    result = _answer(a, b)\n"))
+  assert grade(t, forged, probe=False).reward == 1.0  # the hole
+  r = grade(t, forged)
+  assert r.reward == 0.0 and sorted(r.details["probes"]["wrong"]) == sorted(t.FAIL_TO_PASS), r.details
+  r = grade(t, _solved(t, str(tmp_path / "honest")))
+  assert r.reward == 1.0 and r.details["probes"] == {
+      "checked": sorted(t.FAIL_TO_PASS), "wrong": [], "set_aside": []}, r.details
+
+
 def test_a_test_with_no_literal_assert_is_left_to_the_report(demo_tasks, tmp_path):
   """``Stack.pop``'s ``test_pop_empty`` asserts a raise, not a value: it is set aside, and
   ``test_push_pop`` (``assert s.pop() == 2``) is held to its probe."""
@@ -299,7 +355,7 @@ def test_a_reference_run_with_no_report_is_not_kept(demo_tasks, tmp_path, monkey
   def flaky(task, root, limits, mode="auto", extra_args="", probed=False):
     calls.append(probed)
     if probed and calls.count(True) == 1:
-      return {}, 124, "timed out", False, {}
+      return {}, 124, "timed out", False, grading.probes.Run()
     return real(task, root, limits, mode, extra_args, probed)
   monkeypatch.setattr(grading, "run_tests", flaky)
   r = grade(t, ws)
