@@ -201,6 +201,19 @@ def test_parametrized_expected_columns_become_probes_whose_literals_and_ids_leav
   assert text[text.index("def test_reused"):] == PARAM_SRC[PARAM_SRC.index("def test_reused"):]
 
 
+
+def test_list_argnames_and_a_single_name_column_are_probed_too():
+  src = ("import pytest\nimport mod\n\n\n"
+         "@pytest.mark.parametrize(['x', 'want'], [[1, 2], (2, 3)])\n"
+         "def test_a(x, want):\n    assert mod.f(x) == want\n\n\n"
+         "@pytest.mark.parametrize('want', [-7, {'k': 1}])\n"
+         "def test_b(want):\n    assert want == mod.h()\n")
+  text, found = probes.rewrite(src, "t.py")
+  assert [(p.test, p.arg, p.rows) for p in found] == [
+      ("t.py::test_a", "want", (2, 3)), ("t.py::test_b", "want", (-7, {"k": 1}))]
+  assert "[[1, (0)], (2, (1))], ids=['cj0', 'cj1'])" in text
+  assert "[(0), (1)], ids=['cj0', 'cj1'])" in text and "-7" not in text
+
 def _pytest(tmp_path, test_text, module_text, *args):
   """Run ``test_text`` as t.py over ``module_text`` with the probe plugin: (outcomes from the
   junit report by node id, the plugin's Run)."""
