@@ -121,16 +121,46 @@ def _split(node: ast.AST, params=frozenset()) -> tuple[ast.AST, object, ast.AST]
 class _Column:
   arg: str
   deco: ast.Call
+  rows: list  # the row nodes, in the decorator or in a module-level case list
   cells: list  # the column's node in each row
   values: tuple  # their literals
 
 
-def _param_rows(call: ast.Call):
-  """(argnames, [(row node, [cell nodes])]) of a ``parametrize`` decorator whose rows are written
-  in it; None for any other form (rows from a name, ``indirect=``, starred rows)."""
+def case_lists(tree: ast.Module) -> dict[str, ast.AST]:
+  """Module-level ``CASES = [...]`` (or a tuple) whose name is bound once and read once in the
+  file, as the rows of a ``parametrize`` decorator: {name: the list's node}. The rewrite may hide
+  a column in it, since no other reader in the file sees the change."""
+  bound = {}
+  for node in tree.body:
+    if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+        and isinstance(node.value, (ast.List, ast.Tuple))):
+      bound[node.targets[0].id] = node.value
+  if not bound:
+    return {}
+  uses: dict[str, int] = {}
+  for n in ast.walk(tree):
+    if isinstance(n, ast.Name) and n.id in bound:
+      uses[n.id] = uses.get(n.id, 0) + 1  # the binding itself is one
+    elif isinstance(n, (ast.Global, ast.Nonlocal)):
+      for name in n.names:
+        uses[name] = uses.get(name, 0) + 2
+  rows_of = set()
+  for n in ast.walk(tree):
+    if (isinstance(n, ast.Call) and _attr(n.func) == "parametrize" and len(n.args) == 2
+        and isinstance(n.args[1], ast.Name)):
+      rows_of.add(n.args[1].id)
+  return {k: v for k, v in bound.items() if uses.get(k) == 2 and k in rows_of}
+
+
+def _param_rows(call: ast.Call, lists: dict[str, ast.AST]):
+  """(argnames, [(row node, [cell nodes])], the rows' node) of a ``parametrize`` decorator whose
+  rows are written in it or in one of ``lists`` (``case_lists``); None for any other form (rows
+  built by code, ``indirect=``, starred rows)."""
   if len(call.args) != 2 or any(k.arg in (None, "indirect") for k in call.keywords):
     return None
   names, rows = call.args
+  if isinstance(rows, ast.Name):
+    rows = lists.get(rows.id)
   names_v = _value(names)
   if isinstance(names_v, str):
     argnames = [x.strip() for x in names_v.split(",") if x.strip()]
@@ -154,28 +184,28 @@ def _param_rows(call: ast.Call):
     if len(cells) != len(argnames) or any(isinstance(c, ast.Starred) for c in cells):
       return None
     out.append((row, list(cells)))
-  return argnames, out
+  return argnames, out, rows
 
 
 def _attr(node: ast.AST) -> str | None:
   return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
 
 
-def _columns(fn: ast.FunctionDef) -> dict[str, _Column]:
+def _columns(fn: ast.FunctionDef, lists: dict[str, ast.AST]) -> dict[str, _Column]:
   """The parametrize arguments of ``fn`` that can be probed: every row holds a literal in the
   column, and every use of the name in the body is the expected side of a comparison statement."""
   cols = {}
   for deco in fn.decorator_list:
     if not (isinstance(deco, ast.Call) and _attr(deco.func) == "parametrize"):
       continue
-    parsed = _param_rows(deco)
+    parsed = _param_rows(deco, lists)
     if parsed is None:
       continue
-    argnames, rows = parsed
+    argnames, rows, node = parsed
     for j, arg in enumerate(argnames):
       values = tuple(_value(cells[j]) for _, cells in rows)
       if rows and all(v is not _NOT for v in values):
-        cols[arg] = _Column(arg, deco, [cells[j] for _, cells in rows], values)
+        cols[arg] = _Column(arg, deco, node.elts, [cells[j] for _, cells in rows], values)
   if not cols:
     return {}
   body = [n for stmt in fn.body for n in ast.walk(stmt)]
@@ -195,13 +225,13 @@ def _column_edits(at, text: str, cols: dict[str, _Column]) -> list[tuple[int, in
   ids on each decorator they are in, including a ``pytest.param``'s own ``id=``."""
   edits, decos = [], {}
   for col in cols.values():
-    decos[id(col.deco)] = col.deco
+    decos[id(col.deco)] = col
     for k, cell in enumerate(col.cells):
       pad = "\n" * (cell.end_lineno - cell.lineno)
       edits.append((at(cell.lineno, cell.col_offset), at(cell.end_lineno, cell.end_col_offset),
                     f"({k}{pad})"))
-  for deco in decos.values():
-    rows = deco.args[1].elts
+  for col in decos.values():
+    deco, rows = col.deco, col.rows
     ids = "[" + ", ".join(f"'cj{k}'" for k in range(len(rows))) + "]"
     for k, row in enumerate(rows):
       for kw in (row.keywords if isinstance(row, ast.Call) else ()):
@@ -254,9 +284,9 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
     tree = oracle.parse(text)
   except (SyntaxError, ValueError, MemoryError, RecursionError):
     return None
-  at, edits, probes = _offsets(text), [], []
+  at, edits, probes, lists = _offsets(text), [], [], case_lists(tree)
   for name, fn in test_functions(tree).items():
-    cols = _columns(fn)
+    cols = _columns(fn, lists)
     found = sorted((n for stmt in fn.body for n in ast.walk(stmt) if isinstance(n, (ast.Assert, ast.Expr))),
                    key=lambda n: (n.lineno, n.col_offset))
     for stmt in found:

@@ -262,6 +262,55 @@ def test_parametrized_probes_are_right_exactly_where_the_original_instances_pass
   assert probes.verdict(found, checked, *probes.by_test(list(checked), params, out, scrambled), params)
 
 
+
+CASES_SRC = """import pytest
+import mod
+
+CASES = [
+    (1, 2),
+    (3, 4),
+    (4, [5]),
+]
+SHARED = [(1, 2)]
+
+
+@pytest.mark.parametrize("x, want", CASES)
+def test_cases(x, want):
+    assert mod.f(x) == want
+
+
+@pytest.mark.parametrize("x, want", SHARED)
+def test_shared_a(x, want):
+    assert mod.f(x) == want
+
+
+@pytest.mark.parametrize("x, want", SHARED)
+def test_shared_b(x, want):
+    assert want
+"""
+
+
+def test_a_module_level_case_list_read_by_one_decorator_is_probed_in_place(tmp_path):
+  """``CASES = [...]`` bound once and read once, by a decorator, has its column hidden where it is
+  written; ``SHARED``, read by two tests, is left as it is. The reference is the original file
+  under pytest, as above."""
+  text, found = probes.rewrite(CASES_SRC, "t.py")
+  assert [(p.test, p.arg, p.rows) for p in found] == [("t.py::test_cases", "want", (2, 4, [5]))]
+  assert "(1, (0)),\n    (3, (1)),\n    (4, (2))," in text and "[5]" not in text
+  assert "CASES, ids=['cj0', 'cj1', 'cj2'])" in text and "SHARED = [(1, 2)]" in text
+  assert text[text.index("def test_shared_a"):] == CASES_SRC[CASES_SRC.index("def test_shared_a"):]
+  _, collected = _pytest(tmp_path, CASES_SRC, MOD_RIGHT, "--collect-only")
+  f2p = sorted(n for n in collected.items if "test_cases" in n)
+  params = {n: collected.items[n] for n in f2p}
+  ref_out, ref_run = _pytest(tmp_path, text, MOD_RIGHT)
+  checked = probes.sound(found, f2p, *probes.by_test(f2p, params, ref_out, ref_run), params)
+  assert sorted(checked) == f2p and len(f2p) == 3
+  original_wrong, _ = _pytest(tmp_path, CASES_SRC, MOD_WRONG)
+  out, run = _pytest(tmp_path, text, MOD_WRONG)
+  wrong = probes.verdict(found, checked, *probes.by_test(f2p, params, out, run), params)
+  assert sorted(wrong) == sorted(n for n in f2p if original_wrong[n] != "passed") == [
+      "t.py::test_cases[1-2]", "t.py::test_cases[3-4]"]
+
 Point = collections.namedtuple("Point", "x y")
 
 
