@@ -191,11 +191,12 @@ def _attr(node: ast.AST) -> str | None:
   return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
 
 
-def _columns(fn: ast.FunctionDef, lists: dict[str, ast.AST]) -> dict[str, _Column]:
-  """The parametrize arguments of ``fn`` that can be probed: every row holds a literal in the
-  column, and every use of the name in the body is the expected side of a comparison statement."""
+def _columns(owner: ast.FunctionDef | ast.ClassDef, lists: dict[str, ast.AST]) -> dict[str, _Column]:
+  """The parametrize arguments of a test function or class that can be probed: every row holds a
+  literal in the column, and every use of the name in its body (a class's: every method's) is the
+  expected side of a comparison statement."""
   cols = {}
-  for deco in fn.decorator_list:
+  for deco in owner.decorator_list:
     if not (isinstance(deco, ast.Call) and _attr(deco.func) == "parametrize"):
       continue
     parsed = _param_rows(deco, lists)
@@ -208,7 +209,7 @@ def _columns(fn: ast.FunctionDef, lists: dict[str, ast.AST]) -> dict[str, _Colum
         cols[arg] = _Column(arg, deco, node.elts, [cells[j] for _, cells in rows], values)
   if not cols:
     return {}
-  body = [n for stmt in fn.body for n in ast.walk(stmt)]
+  body = [n for stmt in owner.body for n in ast.walk(stmt)]
   sides = set()
   for stmt in body:
     split = _split(stmt, frozenset(cols)) if isinstance(stmt, (ast.Assert, ast.Expr)) else None
@@ -285,8 +286,13 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
   except (SyntaxError, ValueError, MemoryError, RecursionError):
     return None
   at, edits, probes, lists = _offsets(text), [], [], case_lists(tree)
+  classes = {c.name: _columns(c, lists) for c in tree.body if isinstance(c, ast.ClassDef)}
+  for cols in classes.values():
+    edits += _column_edits(at, text, cols)
   for name, fn in test_functions(tree).items():
-    cols = _columns(fn, lists)
+    own = _columns(fn, lists)
+    edits += _column_edits(at, text, own)
+    cols = {**classes.get(name.split("::")[0] if "::" in name else None, {}), **own}
     found = sorted((n for stmt in fn.body for n in ast.walk(stmt) if isinstance(n, (ast.Assert, ast.Expr))),
                    key=lambda n: (n.lineno, n.col_offset))
     for stmt in found:
@@ -305,7 +311,6 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
         probes.append(Probe(f"{file}::{name}", i, None, want.id, cols[want.id].values))
       else:
         probes.append(Probe(f"{file}::{name}", i, want))
-    edits += _column_edits(at, text, cols)
   for start, end, new in sorted(edits, reverse=True):
     text = text[:start] + new + text[end:]
   try:

@@ -311,6 +311,53 @@ def test_a_module_level_case_list_read_by_one_decorator_is_probed_in_place(tmp_p
   assert sorted(wrong) == sorted(n for n in f2p if original_wrong[n] != "passed") == [
       "t.py::test_cases[1-2]", "t.py::test_cases[3-4]"]
 
+
+CLASS_SRC = """import pytest
+import mod
+
+
+@pytest.mark.parametrize("x, want", [(1, 2), (4, [5])])
+class TestF:
+    def test_f(self, x, want):
+        assert mod.f(x) == want
+
+    @pytest.mark.parametrize("k", [0, 1])
+    def test_k(self, x, want, k):
+        assert mod.f(x + k - k) == want
+
+
+@pytest.mark.parametrize("want", [2])
+class TestUsedElsewhere:
+    def test_a(self, want):
+        assert mod.f(1) == want
+
+    def test_b(self, want):
+        assert want
+"""
+
+
+def test_a_class_level_parametrize_column_is_probed_in_every_method(tmp_path):
+  """A class's parametrize column is hidden when every method uses it only as the expected side;
+  ``TestUsedElsewhere`` (``assert want`` in one method) keeps its rows. Against the original file
+  under pytest, as above."""
+  text, found = probes.rewrite(CLASS_SRC, "t.py")
+  assert [(p.test, p.arg, p.rows) for p in found] == [
+      ("t.py::TestF::test_f", "want", (2, [5])), ("t.py::TestF::test_k", "want", (2, [5]))]
+  assert "[(1, (0)), (4, (1))], ids=['cj0', 'cj1'])" in text and "[5]" not in text
+  assert text[text.index("@pytest.mark.parametrize(\"want\""):] == CLASS_SRC[
+      CLASS_SRC.index("@pytest.mark.parametrize(\"want\""):]
+  _, collected = _pytest(tmp_path, CLASS_SRC, MOD_RIGHT, "--collect-only")
+  f2p = sorted(n for n in collected.items if "TestF" in n)
+  params = {n: collected.items[n] for n in f2p}
+  ref_out, ref_run = _pytest(tmp_path, text, MOD_RIGHT)
+  checked = probes.sound(found, f2p, *probes.by_test(f2p, params, ref_out, ref_run), params)
+  assert sorted(checked) == f2p and len(f2p) == 6
+  original_wrong, _ = _pytest(tmp_path, CLASS_SRC, MOD_WRONG)
+  out, run = _pytest(tmp_path, text, MOD_WRONG)
+  wrong = probes.verdict(found, checked, *probes.by_test(f2p, params, out, run), params)
+  assert sorted(wrong) == sorted(n for n in f2p if original_wrong[n] != "passed")
+  assert len(wrong) == 3 and all("1-2" in n for n in wrong)
+
 Point = collections.namedtuple("Point", "x y")
 
 
