@@ -263,6 +263,21 @@ def test_parametrized_probes_are_right_exactly_where_the_original_instances_pass
 
 
 
+def _against_original(tmp_path, src, text, found, keep):
+  """The rows learned from collecting ``src``; the right module as the reference and the wrong one
+  as the agent on the rewritten ``text``: (the F2P ids ``keep`` picks, the reference's ``sound``
+  checks, the verdict, the ids whose original fails under pytest with the wrong module)."""
+  _, collected = _pytest(tmp_path, src, MOD_RIGHT, "--collect-only")
+  f2p = sorted(n for n in collected.items if keep(n))
+  params = {n: collected.items[n] for n in f2p}
+  ref_out, ref_run = _pytest(tmp_path, text, MOD_RIGHT)
+  checked = probes.sound(found, f2p, *probes.by_test(f2p, params, ref_out, ref_run), params)
+  original_wrong, _ = _pytest(tmp_path, src, MOD_WRONG)
+  out, run = _pytest(tmp_path, text, MOD_WRONG)
+  wrong = probes.verdict(found, checked, *probes.by_test(f2p, params, out, run), params)
+  return f2p, checked, sorted(wrong), sorted(n for n in f2p if original_wrong[n] != "passed")
+
+
 CASES_SRC = """import pytest
 import mod
 
@@ -299,17 +314,10 @@ def test_a_module_level_case_list_read_by_one_decorator_is_probed_in_place(tmp_p
   assert "(1, (0)),\n    (3, (1)),\n    (4, (2))," in text and "[5]" not in text
   assert "CASES, ids=['cj0', 'cj1', 'cj2'])" in text and "SHARED = [(1, 2)]" in text
   assert text[text.index("def test_shared_a"):] == CASES_SRC[CASES_SRC.index("def test_shared_a"):]
-  _, collected = _pytest(tmp_path, CASES_SRC, MOD_RIGHT, "--collect-only")
-  f2p = sorted(n for n in collected.items if "test_cases" in n)
-  params = {n: collected.items[n] for n in f2p}
-  ref_out, ref_run = _pytest(tmp_path, text, MOD_RIGHT)
-  checked = probes.sound(found, f2p, *probes.by_test(f2p, params, ref_out, ref_run), params)
+  f2p, checked, wrong, failing = _against_original(tmp_path, CASES_SRC, text, found,
+                                                   lambda n: "test_cases" in n)
   assert sorted(checked) == f2p and len(f2p) == 3
-  original_wrong, _ = _pytest(tmp_path, CASES_SRC, MOD_WRONG)
-  out, run = _pytest(tmp_path, text, MOD_WRONG)
-  wrong = probes.verdict(found, checked, *probes.by_test(f2p, params, out, run), params)
-  assert sorted(wrong) == sorted(n for n in f2p if original_wrong[n] != "passed") == [
-      "t.py::test_cases[1-2]", "t.py::test_cases[3-4]"]
+  assert wrong == failing == ["t.py::test_cases[1-2]", "t.py::test_cases[3-4]"]
 
 
 CLASS_SRC = """import pytest
@@ -346,17 +354,10 @@ def test_a_class_level_parametrize_column_is_probed_in_every_method(tmp_path):
   assert "[(1, (0)), (4, (1))], ids=['cj0', 'cj1'])" in text and "[5]" not in text
   assert text[text.index("@pytest.mark.parametrize(\"want\""):] == CLASS_SRC[
       CLASS_SRC.index("@pytest.mark.parametrize(\"want\""):]
-  _, collected = _pytest(tmp_path, CLASS_SRC, MOD_RIGHT, "--collect-only")
-  f2p = sorted(n for n in collected.items if "TestF" in n)
-  params = {n: collected.items[n] for n in f2p}
-  ref_out, ref_run = _pytest(tmp_path, text, MOD_RIGHT)
-  checked = probes.sound(found, f2p, *probes.by_test(f2p, params, ref_out, ref_run), params)
+  f2p, checked, wrong, failing = _against_original(tmp_path, CLASS_SRC, text, found,
+                                                   lambda n: "TestF" in n)
   assert sorted(checked) == f2p and len(f2p) == 6
-  original_wrong, _ = _pytest(tmp_path, CLASS_SRC, MOD_WRONG)
-  out, run = _pytest(tmp_path, text, MOD_WRONG)
-  wrong = probes.verdict(found, checked, *probes.by_test(f2p, params, out, run), params)
-  assert sorted(wrong) == sorted(n for n in f2p if original_wrong[n] != "passed")
-  assert len(wrong) == 3 and all("1-2" in n for n in wrong)
+  assert wrong == failing and len(wrong) == 3 and all("1-2" in n for n in wrong)
 
 Point = collections.namedtuple("Point", "x y")
 
