@@ -20,7 +20,7 @@ import stat
 import time
 import xml.etree.ElementTree as ET
 
-from composer_jax.env import guards, oracle, probes, scratch
+from composer_jax.env import guards, oracle, probe_rewrite, probes, scratch
 from composer_jax.env.sandbox import Limits, Sandbox
 from composer_jax.env.tasks import Task
 
@@ -226,7 +226,7 @@ def run_probes(task: Task, workspace: str, limits: Limits, mode: str = "auto") -
   for rel in files:  # from the task store: the originals, whatever the agent wrote
     try:
       with open(os.path.join(task.protected_dir, rel), encoding="utf-8") as f:
-        got = probes.rewrite(f.read(), rel)
+        got = probe_rewrite.rewrite(f.read(), rel)
     except (OSError, UnicodeDecodeError):  # missing, or not UTF-8: its tests are left to the report
       got = None
     if got is not None:

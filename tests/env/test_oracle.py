@@ -18,7 +18,7 @@ import threading
 
 import pytest
 
-from composer_jax.env import oracle, probes, synthetic
+from composer_jax.env import oracle, probe_rewrite, synthetic
 from composer_jax.env.grading import grade
 from composer_jax.env.guards import read_regular
 from composer_jax.env.synthetic import TEMPLATES
@@ -370,7 +370,7 @@ def test_split_checks_never_parses_in_two_threads_at_once(monkeypatch):
   src = "def test_a():\n    assert f(1) == 2\n"
   out = []
   # the report grader's probes (env/probes.py) parse under the same lock
-  jobs = [lambda: oracle.split_checks(src), lambda: probes.rewrite(src, "t.py")] * 3
+  jobs = [lambda: oracle.split_checks(src), lambda: probe_rewrite.rewrite(src, "t.py")] * 3
   threads = [threading.Thread(target=lambda job=job: out.append(job())) for job in jobs]
   for t in threads:
     t.start()

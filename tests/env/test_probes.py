@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from composer_jax.env import probes
+from composer_jax.env import probe_rewrite, probes
 
 SRC = '''import unittest
 
@@ -79,7 +79,7 @@ MOD_WRONG = MOD_RIGHT.replace("x + 1", "x + 2")
 
 
 def _rewritten():
-  got = probes.rewrite(SRC, "tests/test_m.py")
+  got = probe_rewrite.rewrite(SRC, "tests/test_m.py")
   assert got is not None
   return got
 
@@ -103,7 +103,7 @@ def test_literal_comparisons_in_test_functions_become_probes_and_the_rest_reads_
   for lit in ("== 2", "3 ==", '"ééé!"', "== 1\n", "== 6", "4, \"with"):
     assert lit not in "\n".join(new[6:24] + new[40:41]), lit  # no expected literal is left
   assert "def helper():\n    assert mod.f(1) == 2" in text
-  assert probes.rewrite("def test_x(:\n", "t.py") is None
+  assert probe_rewrite.rewrite("def test_x(:\n", "t.py") is None
 
 
 def _run_rewritten(tmp_path, module_text):
@@ -189,7 +189,7 @@ def test_not_all_literals(want):
 
 
 def test_parametrized_expected_columns_become_probes_whose_literals_and_ids_leave_the_file():
-  text, found = probes.rewrite(PARAM_SRC, "t.py")
+  text, found = probe_rewrite.rewrite(PARAM_SRC, "t.py")
   assert [(p.test, p.index, p.arg, p.rows) for p in found] == [
       ("t.py::test_f", 0, "want", (2, [5], 3)), ("t.py::test_g", 0, "want", ("a!", "\u00e9!"))]
   assert len(text.splitlines()) == len(PARAM_SRC.splitlines())
@@ -208,7 +208,7 @@ def test_list_argnames_and_a_single_name_column_are_probed_too():
          "def test_a(x, want):\n    assert mod.f(x) == want\n\n\n"
          "@pytest.mark.parametrize('want', [-7, {'k': 1}])\n"
          "def test_b(want):\n    assert want == mod.h()\n")
-  text, found = probes.rewrite(src, "t.py")
+  text, found = probe_rewrite.rewrite(src, "t.py")
   assert [(p.test, p.arg, p.rows) for p in found] == [
       ("t.py::test_a", "want", (2, 3)), ("t.py::test_b", "want", (-7, {"k": 1}))]
   assert "[[1, (0)], (2, (1))], ids=['cj0', 'cj1'])" in text
@@ -236,7 +236,7 @@ def test_parametrized_probes_are_right_exactly_where_the_original_instances_pass
   """The independent reference is the original file run as written under pytest: with the right
   module as the reference and the wrong one as the agent, the verdict names exactly the checked
   instances whose original fails. The rewritten run's node ids carry none of the hidden values."""
-  text, found = probes.rewrite(PARAM_SRC, "t.py")
+  text, found = probe_rewrite.rewrite(PARAM_SRC, "t.py")
   _, collected = _pytest(tmp_path, PARAM_SRC, MOD_RIGHT, "--collect-only")
   f2p = sorted(collected.items)
   assert "t.py::test_f[5-two]" in f2p and "t.py::test_g[second]" in f2p and len(f2p) == 12
@@ -309,7 +309,7 @@ def test_a_module_level_case_list_read_by_one_decorator_is_probed_in_place(tmp_p
   """``CASES = [...]`` bound once and read once, by a decorator, has its column hidden where it is
   written; ``SHARED``, read by two tests, is left as it is. The reference is the original file
   under pytest, as above."""
-  text, found = probes.rewrite(CASES_SRC, "t.py")
+  text, found = probe_rewrite.rewrite(CASES_SRC, "t.py")
   assert [(p.test, p.arg, p.rows) for p in found] == [("t.py::test_cases", "want", (2, 4, [5]))]
   assert "(1, (0)),\n    (3, (1)),\n    (4, (2))," in text and "[5]" not in text
   assert "CASES, ids=['cj0', 'cj1', 'cj2'])" in text and "SHARED = [(1, 2)]" in text
@@ -348,7 +348,7 @@ def test_a_class_level_parametrize_column_is_probed_in_every_method(tmp_path):
   """A class's parametrize column is hidden when every method uses it only as the expected side;
   ``TestUsedElsewhere`` (``assert want`` in one method) keeps its rows. Against the original file
   under pytest, as above."""
-  text, found = probes.rewrite(CLASS_SRC, "t.py")
+  text, found = probe_rewrite.rewrite(CLASS_SRC, "t.py")
   assert [(p.test, p.arg, p.rows) for p in found] == [
       ("t.py::TestF::test_f", "want", (2, [5])), ("t.py::TestF::test_k", "want", (2, [5]))]
   assert "[(1, (0)), (4, (1))], ids=['cj0', 'cj1'])" in text and "[5]" not in text
@@ -396,7 +396,7 @@ def test_the_plugin_records_each_tests_values_under_its_node_id(tmp_path):
   text = ('import pytest\n\n\n@pytest.mark.parametrize("x", [1, 2])\ndef test_p(x):\n'
           '    assert x * 10 == 10\n\n\nclass TestC:\n    def test_m(self):\n        assert "a" * 2 == "aa"\n'
           '\n\ndef test_none():\n    pass\n')
-  new, found = probes.rewrite(text, "test_p.py")
+  new, found = probe_rewrite.rewrite(text, "test_p.py")
   (tmp_path / "test_p.py").write_text(new)
   out, plugin = tmp_path / "rep" / "values.json", tmp_path / "rep" / "cj_probe_plugin.py"
   plugin.parent.mkdir()

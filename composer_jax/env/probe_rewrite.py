@@ -1,0 +1,296 @@
+"""The host's rewrite of a test file for value probes (``env/probes.py`` says why): each literal
+comparison in a test function becomes ``__cj_probe__(i, E)`` and its expected value a ``Probe``.
+
+Expected values come from three places: the literal in the comparison itself, a parametrize column
+(in the decorator, a module-level case list or the test class's decorator), and a local bound once to
+a literal. A name is hidden only when every use of it is the expected side of a comparison, so the
+rewritten file computes what the original did and only the expected values leave it.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+
+from composer_jax.env import oracle
+
+PROBE = oracle.PROBE
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+  test: str  # node id without parametrisation: "tests/test_a.py::TestX::test_y"
+  index: int  # its number in that test function, in source order
+  want: object  # the literal, evaluated on the host (None where ``arg`` is set)
+  arg: str | None = None  # the expected value is this parametrize argument ...
+  rows: tuple = ()  # ... whose literal in row k of its decorator is rows[k]
+
+  def want_at(self, indices: dict[str, int]):
+    """The expected value in the test instance whose parametrize rows are ``indices``
+    ({argname: row}); ``_NOT`` if none."""
+    if self.arg is None:
+      return self.want
+    k = indices.get(self.arg)
+    return self.rows[k] if type(k) is int and 0 <= k < len(self.rows) else _NOT
+
+
+_NOT = object()
+
+
+def _value(node: ast.AST):
+  """``node``'s value if it is a literal (``ast.literal_eval``), else ``_NOT``."""
+  if isinstance(node, ast.Constant) and node.value is Ellipsis:
+    return _NOT
+  try:
+    return ast.literal_eval(node)
+  except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+    return _NOT
+
+
+def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST] | None:
+  """The two sides of ``assert A == B`` or ``self.assertEqual(A, B[, msg])``, else None."""
+  if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare):
+    cmp = node.test
+    if len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.Eq):
+      return cmp.left, cmp.comparators[0]
+  if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+    call = node.value
+    if (isinstance(call.func, ast.Attribute) and call.func.attr in ("assertEqual", "assertEquals")
+            and 2 <= len(call.args) <= 3 and not call.keywords):
+      return call.args[0], call.args[1]
+  return None
+
+
+def _split(node: ast.AST, params=frozenset()) -> tuple[ast.AST, object, ast.AST] | None:
+  """(the computed side, the expected literal, the expected side) of a comparison statement, the
+  right side preferred as the expected one; None when neither or both sides are literals. A bare
+  name in ``params`` (a parametrize argument whose column is all literals) is expected too, and
+  stands for itself: its literals are the rows'."""
+  sides = _sides(node)
+  if sides is None:
+    return None
+
+  def expected(side):
+    if isinstance(side, ast.Name) and side.id in params:
+      return side
+    return _value(side)
+  a, b = sides
+  va, vb = expected(a), expected(b)
+  if vb is not _NOT and va is _NOT:
+    return a, vb, b
+  if va is not _NOT and vb is _NOT:
+    return b, va, a
+  return None
+
+
+# -- expected values from @pytest.mark.parametrize -----------------------------------------------
+# ``@pytest.mark.parametrize("x, want", [(1, 2), (2, 3)])`` over ``assert f(x) == want``: the
+# ``want`` column is in the decorator, and pytest's node ids (``test_f[1-2]``) spell every column.
+# The rewrite replaces the column's literals by their row numbers and gives the decorator opaque
+# ids (``cj0``, ``cj1``, ...). The plugin records each instance's row in each of its decorators
+# (``_rows``), and the host finds each FAIL_TO_PASS instance in the rewritten run by its rows,
+# collected from the original files in the reference's workspace. (pytest's own
+# ``callspec.indices`` count the product of stacked decorators, not rows; its ids cannot be
+# recomputed on the host: ``test_f[2_0]``, ``test_f[0-4-want1]``.)
+
+@dataclasses.dataclass
+class _Column:
+  arg: str
+  deco: ast.Call
+  rows: list  # the row nodes, in the decorator or in a module-level case list
+  cells: list  # the column's node in each row
+  values: tuple  # their literals
+
+
+def case_lists(tree: ast.Module) -> dict[str, ast.AST]:
+  """Module-level ``CASES = [...]`` (or a tuple) whose name is bound once and read once in the
+  file, as the rows of a ``parametrize`` decorator: {name: the list's node}. The rewrite may hide
+  a column in it, since no other reader in the file sees the change."""
+  bound = {}
+  for node in tree.body:
+    if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+        and isinstance(node.value, (ast.List, ast.Tuple))):
+      bound[node.targets[0].id] = node.value
+  if not bound:
+    return {}
+  uses: dict[str, int] = {}
+  for n in ast.walk(tree):
+    if isinstance(n, ast.Name) and n.id in bound:
+      uses[n.id] = uses.get(n.id, 0) + 1  # the binding itself is one
+    elif isinstance(n, (ast.Global, ast.Nonlocal)):
+      for name in n.names:
+        uses[name] = uses.get(name, 0) + 2
+  rows_of = set()
+  for n in ast.walk(tree):
+    if (isinstance(n, ast.Call) and _attr(n.func) == "parametrize" and len(n.args) == 2
+        and isinstance(n.args[1], ast.Name)):
+      rows_of.add(n.args[1].id)
+  return {k: v for k, v in bound.items() if uses.get(k) == 2 and k in rows_of}
+
+
+def _param_rows(call: ast.Call, lists: dict[str, ast.AST]):
+  """(argnames, [(row node, [cell nodes])], the rows' node) of a ``parametrize`` decorator whose
+  rows are written in it or in one of ``lists`` (``case_lists``); None for any other form (rows
+  built by code, ``indirect=``, starred rows)."""
+  if len(call.args) != 2 or any(k.arg in (None, "indirect") for k in call.keywords):
+    return None
+  names, rows = call.args
+  if isinstance(rows, ast.Name):
+    rows = lists.get(rows.id)
+  names_v = _value(names)
+  if isinstance(names_v, str):
+    argnames = [x.strip() for x in names_v.split(",") if x.strip()]
+    single = len(argnames) == 1
+  elif isinstance(names_v, (list, tuple)) and all(isinstance(x, str) for x in names_v):
+    argnames, single = list(names_v), False
+  else:
+    return None
+  if not isinstance(rows, (ast.List, ast.Tuple)) or not argnames:
+    return None
+  out = []
+  for row in rows.elts:
+    if isinstance(row, ast.Call) and _attr(row.func) == "param":  # pytest.param(*cells, marks=, id=)
+      cells = row.args
+    elif single:
+      cells = [row]
+    elif isinstance(row, (ast.List, ast.Tuple)):
+      cells = row.elts
+    else:
+      return None
+    if len(cells) != len(argnames) or any(isinstance(c, ast.Starred) for c in cells):
+      return None
+    out.append((row, list(cells)))
+  return argnames, out, rows
+
+
+def _attr(node: ast.AST) -> str | None:
+  return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+
+
+def _columns(owner: ast.FunctionDef | ast.ClassDef, lists: dict[str, ast.AST]) -> dict[str, _Column]:
+  """The parametrize arguments of a test function or class that can be probed: every row holds a
+  literal in the column, and every use of the name in its body (a class's: every method's) is the
+  expected side of a comparison statement."""
+  cols = {}
+  for deco in owner.decorator_list:
+    if not (isinstance(deco, ast.Call) and _attr(deco.func) == "parametrize"):
+      continue
+    parsed = _param_rows(deco, lists)
+    if parsed is None:
+      continue
+    argnames, rows, node = parsed
+    for j, arg in enumerate(argnames):
+      values = tuple(_value(cells[j]) for _, cells in rows)
+      if rows and all(v is not _NOT for v in values):
+        cols[arg] = _Column(arg, deco, node.elts, [cells[j] for _, cells in rows], values)
+  if not cols:
+    return {}
+  body = [n for stmt in owner.body for n in ast.walk(stmt)]
+  sides = set()
+  for stmt in body:
+    split = _split(stmt, frozenset(cols)) if isinstance(stmt, (ast.Assert, ast.Expr)) else None
+    if split is not None and isinstance(split[2], ast.Name):
+      sides.add(id(split[2]))
+  for n in body:  # a use elsewhere (``len(want)``, a rebinding) keeps the column as it is
+    if isinstance(n, ast.Name) and n.id in cols and id(n) not in sides:
+      cols.pop(n.id)
+  return cols
+
+
+def _column_edits(at, text: str, cols: dict[str, _Column]) -> list[tuple[int, int, str]]:
+  """The edits that hide ``cols``' literals: its row number in each cell (newlines kept) and opaque
+  ids on each decorator they are in, including a ``pytest.param``'s own ``id=``."""
+  edits, decos = [], {}
+  for col in cols.values():
+    decos[id(col.deco)] = col
+    for k, cell in enumerate(col.cells):
+      pad = "\n" * (cell.end_lineno - cell.lineno)
+      edits.append((at(cell.lineno, cell.col_offset), at(cell.end_lineno, cell.end_col_offset),
+                    f"({k}{pad})"))
+  for col in decos.values():
+    deco, rows = col.deco, col.rows
+    ids = "[" + ", ".join(f"'cj{k}'" for k in range(len(rows))) + "]"
+    for k, row in enumerate(rows):
+      for kw in (row.keywords if isinstance(row, ast.Call) else ()):
+        if kw.arg == "id":
+          v = kw.value
+          pad = "\n" * (v.end_lineno - v.lineno)
+          edits.append((at(v.lineno, v.col_offset), at(v.end_lineno, v.end_col_offset), f"('cj{k}'{pad})"))
+    given = next((kw.value for kw in deco.keywords if kw.arg == "ids"), None)
+    if given is not None:
+      pad = "\n" * (given.end_lineno - given.lineno)
+      edits.append((at(given.lineno, given.col_offset), at(given.end_lineno, given.end_col_offset),
+                    f"({ids}{pad})"))
+    else:
+      last = deco.keywords[-1].value if deco.keywords else deco.args[-1]
+      end = at(last.end_lineno, last.end_col_offset)
+      edits.append((end, end, f", ids={ids}"))
+  return edits
+
+
+def test_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+  """Test functions by the name pytest's node id gives them (``test_f`` or ``TestX::test_f``)."""
+  out = {}
+  for node in tree.body:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+      out[node.name] = node
+    elif isinstance(node, ast.ClassDef):
+      out.update({f"{node.name}::{f.name}": f for f in node.body
+                  if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  and f.name.startswith("test")})
+  return out
+
+
+def _offsets(text: str):
+  """A function from an AST (line, UTF-8 byte column) to a character offset in ``text``."""
+  lines = text.splitlines(keepends=True)
+  starts = [0]
+  for line in lines:
+    starts.append(starts[-1] + len(line))
+
+  def at(lineno: int, col: int) -> int:
+    return starts[lineno - 1] + len(lines[lineno - 1].encode("utf-8")[:col].decode("utf-8", "replace"))
+  return at
+
+
+def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
+  """``text`` (a test file) with every literal comparison in its test functions turned into a probe,
+  and the probes; None when the file does not parse, or would not after the rewrite. Line numbers
+  stay where they were (the probe call keeps the statement's newlines inside its parentheses)."""
+  try:
+    tree = oracle.parse(text)
+  except (SyntaxError, ValueError, MemoryError, RecursionError):
+    return None
+  at, edits, probes, lists = _offsets(text), [], [], case_lists(tree)
+  classes = {c.name: _columns(c, lists) for c in tree.body if isinstance(c, ast.ClassDef)}
+  for cols in classes.values():
+    edits += _column_edits(at, text, cols)
+  for name, fn in test_functions(tree).items():
+    own = _columns(fn, lists)
+    edits += _column_edits(at, text, own)
+    cols = {**classes.get(name.split("::")[0] if "::" in name else None, {}), **own}
+    found = sorted((n for stmt in fn.body for n in ast.walk(stmt) if isinstance(n, (ast.Assert, ast.Expr))),
+                   key=lambda n: (n.lineno, n.col_offset))
+    for stmt in found:
+      split = _split(stmt, frozenset(cols))
+      if split is None:
+        continue
+      expr, want, _ = split
+      src = ast.get_source_segment(text, expr)
+      if src is None:
+        continue
+      i = sum(p.test == f"{file}::{name}" for p in probes)
+      pad = "\n" * ((stmt.end_lineno - stmt.lineno) - (expr.end_lineno - expr.lineno))
+      edits.append((at(stmt.lineno, stmt.col_offset), at(stmt.end_lineno, stmt.end_col_offset),
+                    f"{PROBE}({i}, ({src}){pad})"))
+      if isinstance(want, ast.Name):
+        probes.append(Probe(f"{file}::{name}", i, None, want.id, cols[want.id].values))
+      else:
+        probes.append(Probe(f"{file}::{name}", i, want))
+  for start, end, new in sorted(edits, reverse=True):
+    text = text[:start] + new + text[end:]
+  try:
+    oracle.parse(text)
+  except (SyntaxError, ValueError, MemoryError, RecursionError):
+    return None
+  return text, probes
