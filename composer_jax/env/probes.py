@@ -13,9 +13,8 @@ every ``assert E == LITERAL`` and unittest ``self.assertEqual(E, LITERAL)`` in a
 becomes ``__cj_probe__(i, E)``, and the literal stays on the host (``probe_rewrite.py``). A pytest
 plugin written by the grader (``plugin_source``) records each probed value as plain data under the
 running test's node id; the host compares them with the literals (``verdict``). Code under test that
-forges this
-run's channel still has to name the right values, for inputs whose expected results it never sees:
-the forged report is worth nothing without solving the tests.
+forges this run's channel still has to name the right values, for inputs whose expected results it
+never sees: the forged report is worth nothing without solving the tests.
 
 A probe counts only where the reference solution passes it: the same rewritten tests are run on the
 task's start with the gold files over it, once per task and process (``reference``). A probe whose
