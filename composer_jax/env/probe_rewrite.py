@@ -183,18 +183,72 @@ def _columns(owner: ast.FunctionDef | ast.ClassDef, lists: dict[str, ast.AST]) -
       values = tuple(_value(cells[j]) for _, cells in rows)
       if rows and all(v is not _NOT for v in values):
         cols[arg] = _Column(arg, deco, node.elts, [cells[j] for _, cells in rows], values)
-  if not cols:
-    return {}
+  keep = _only_expected(owner, frozenset(cols))
+  return {k: c for k, c in cols.items() if k in keep}
+
+
+def _only_expected(owner: ast.AST, names: frozenset, allowed=frozenset()) -> frozenset:
+  """The ``names`` whose every mention in ``owner``'s body (but the nodes in ``allowed``) is the
+  expected side of a comparison statement. A use elsewhere (``len(want)``, a rebinding, a
+  comparison of two such names) keeps the name's literals where they are."""
   body = [n for stmt in owner.body for n in ast.walk(stmt)]
-  sides = set()
+  sides = set(allowed)
   for stmt in body:
-    split = _split(stmt, frozenset(cols)) if isinstance(stmt, (ast.Assert, ast.Expr)) else None
+    split = _split(stmt, names) if isinstance(stmt, (ast.Assert, ast.Expr)) else None
     if split is not None and isinstance(split[2], ast.Name):
       sides.add(id(split[2]))
-  for n in body:  # a use elsewhere (``len(want)``, a rebinding) keeps the column as it is
-    if isinstance(n, ast.Name) and n.id in cols and id(n) not in sides:
-      cols.pop(n.id)
-  return cols
+  return names - {n.id for n in body if isinstance(n, ast.Name) and n.id in names and id(n) not in sides}
+
+
+# -- expected values bound to a local -------------------------------------------------------------
+# ``expected = {"a": 1}`` then ``assert f() == expected``: the literal sits in the function, not in
+# the comparison. Such a local is hidden (its value becomes ``None``) when the function's own body
+# binds it once, to a literal, and uses it only as the expected side.
+
+def _bound(fn: ast.AST) -> dict[str, int]:
+  """How many times ``fn`` binds each name: stores and deletes, parameters (its own and nested
+  ones'), nested definitions, imports, ``except ... as``, ``global`` and ``nonlocal``."""
+  out: dict[str, int] = {}
+  for n in ast.walk(fn):
+    names = ()
+    if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
+      names = (n.id,)
+    elif isinstance(n, ast.arg):
+      names = (n.arg,)
+    elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n is not fn:
+      names = (n.name,)
+    elif isinstance(n, (ast.Import, ast.ImportFrom)):
+      names = tuple((a.asname or a.name).split(".")[0] for a in n.names)
+    elif isinstance(n, (ast.Global, ast.Nonlocal)):
+      names = tuple(n.names) * 2
+    elif isinstance(n, ast.ExceptHandler) and n.name:
+      names = (n.name,)
+    elif isinstance(n, (ast.MatchAs, ast.MatchStar)) and n.name:
+      names = (n.name,)
+    elif isinstance(n, ast.MatchMapping) and n.rest:
+      names = (n.rest,)
+    for name in names:
+      out[name] = out.get(name, 0) + 1
+  return out
+
+
+def _constants(fn: ast.FunctionDef, known: frozenset) -> dict[str, tuple[ast.AST, object]]:
+  """{name: (the literal's node, its value)} for the locals of ``fn`` that can be probed;
+  ``known``: the names already expected (parametrize columns)."""
+  found = {}
+  for stmt in fn.body:
+    target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else (
+        stmt.target if isinstance(stmt, ast.AnnAssign) and stmt.value is not None else None)
+    if isinstance(target, ast.Name) and target.id not in known:
+      v = _value(stmt.value)
+      if v is not _NOT:
+        found[target.id] = (target, stmt.value, v)
+  if not found:
+    return {}
+  bound = _bound(fn)
+  found = {k: f for k, f in found.items() if bound.get(k) == 1}
+  keep = _only_expected(fn, known | frozenset(found), frozenset(id(t) for t, _, _ in found.values()))
+  return {k: (node, v) for k, (_, node, v) in found.items() if k in keep}
 
 
 def _column_edits(at, text: str, cols: dict[str, _Column]) -> list[tuple[int, int, str]]:
@@ -269,10 +323,14 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
     own = _columns(fn, lists)
     edits += _column_edits(at, text, own)
     cols = {**classes.get(name.split("::")[0] if "::" in name else None, {}), **own}
+    consts = _constants(fn, frozenset(cols))
+    for node, _ in consts.values():
+      pad = "\n" * (node.end_lineno - node.lineno)
+      edits.append((at(node.lineno, node.col_offset), at(node.end_lineno, node.end_col_offset), f"(None{pad})"))
     found = sorted((n for stmt in fn.body for n in ast.walk(stmt) if isinstance(n, (ast.Assert, ast.Expr))),
                    key=lambda n: (n.lineno, n.col_offset))
     for stmt in found:
-      split = _split(stmt, frozenset(cols))
+      split = _split(stmt, frozenset(cols) | frozenset(consts))
       if split is None:
         continue
       expr, want, _ = split
@@ -283,7 +341,9 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
       pad = "\n" * ((stmt.end_lineno - stmt.lineno) - (expr.end_lineno - expr.lineno))
       edits.append((at(stmt.lineno, stmt.col_offset), at(stmt.end_lineno, stmt.end_col_offset),
                     f"{PROBE}({i}, ({src}){pad})"))
-      if isinstance(want, ast.Name):
+      if isinstance(want, ast.Name) and want.id in consts:
+        probes.append(Probe(f"{file}::{name}", i, consts[want.id][1]))
+      elif isinstance(want, ast.Name):
         probes.append(Probe(f"{file}::{name}", i, None, want.id, cols[want.id].values))
       else:
         probes.append(Probe(f"{file}::{name}", i, want))

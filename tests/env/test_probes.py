@@ -359,6 +359,66 @@ def test_a_class_level_parametrize_column_is_probed_in_every_method(tmp_path):
   assert sorted(checked) == f2p and len(f2p) == 6
   assert wrong == failing and len(wrong) == 3 and all("1-2" in n for n in wrong)
 
+
+LOCALS_SRC = """import mod
+
+
+def test_local():
+    expected = [5]
+    assert mod.f(4) == expected
+
+
+def test_annotated_over_lines():
+    want: dict = {
+        "a": 2,
+    }
+    got = {"a": mod.f(1)}
+    assert got == want
+
+
+def test_loop():
+    expected = 7
+    for x in (6, 6):
+        assert expected == mod.f(x)
+
+
+def test_used_elsewhere():
+    expected = 11
+    assert mod.f(10) == expected
+    assert len(str(expected)) == 2
+
+
+def test_rebound():
+    expected = 12
+    expected = 13
+    assert mod.f(12) == expected
+
+
+def test_two_names():
+    a = 2
+    b = 2
+    assert a == b
+"""
+
+
+def test_a_local_bound_once_to_a_literal_is_an_expected_value_too(tmp_path):
+  """``expected = 7`` then ``assert f(x) == expected``: the literal leaves the file when the body
+  binds the name once and uses it only as the expected side. Against the original file under
+  pytest, as above: the verdict names exactly the checked tests whose original fails."""
+  text, found = probe_rewrite.rewrite(LOCALS_SRC, "t.py")
+  assert [(p.test, p.index, p.want) for p in found] == [
+      ("t.py::test_local", 0, [5]), ("t.py::test_annotated_over_lines", 0, {"a": 2}),
+      ("t.py::test_loop", 0, 7), ("t.py::test_used_elsewhere", 0, 2)]
+  assert len(text.splitlines()) == len(LOCALS_SRC.splitlines())
+  for lit in ("[5]", '"a": 2', "= 7"):
+    assert lit not in text, lit
+  assert "expected = 11\n    assert mod.f(10) == expected\n" in text
+  assert text[text.index("def test_rebound"):] == LOCALS_SRC[LOCALS_SRC.index("def test_rebound"):]
+  f2p, checked, wrong, failing = _against_original(tmp_path, LOCALS_SRC, text, found, lambda n: True)
+  assert sorted(checked) == sorted(p.test for p in found)
+  assert wrong == sorted(set(failing) & set(checked)) == [
+      "t.py::test_annotated_over_lines", "t.py::test_loop", "t.py::test_used_elsewhere"]
+
 Point = collections.namedtuple("Point", "x y")
 
 
