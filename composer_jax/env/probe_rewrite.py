@@ -187,13 +187,14 @@ def _columns(owner: ast.FunctionDef | ast.ClassDef, lists: dict[str, ast.AST]) -
   return {k: c for k, c in cols.items() if k in keep}
 
 
-def _only_expected(owner: ast.AST, names: frozenset, allowed=frozenset()) -> frozenset:
+def _only_expected(owner: ast.AST, names: frozenset, allowed=frozenset(), tests=None) -> frozenset:
   """The ``names`` whose every mention in ``owner``'s body (but the nodes in ``allowed``) is the
-  expected side of a comparison statement. A use elsewhere (``len(want)``, a rebinding, a
-  comparison of two such names) keeps the name's literals where they are."""
+  expected side of a comparison statement (in ``tests``' bodies, where given). A use elsewhere
+  (``len(want)``, a rebinding, a comparison of two such names) keeps the name's literals where
+  they are."""
   body = [n for stmt in owner.body for n in ast.walk(stmt)]
   sides = set(allowed)
-  for stmt in body:
+  for stmt in body if tests is None else [n for t in tests for stmt in t.body for n in ast.walk(stmt)]:
     split = _split(stmt, names) if isinstance(stmt, (ast.Assert, ast.Expr)) else None
     if split is not None and isinstance(split[2], ast.Name):
       sides.add(id(split[2]))
@@ -232,11 +233,13 @@ def _bound(fn: ast.AST) -> dict[str, int]:
   return out
 
 
-def _constants(fn: ast.FunctionDef, known: frozenset) -> dict[str, tuple[ast.AST, object]]:
-  """{name: (the literal's node, its value)} for the locals of ``fn`` that can be probed;
+def _constants(owner: ast.FunctionDef | ast.Module, known: frozenset,
+               tests=None) -> dict[str, tuple[ast.AST, object]]:
+  """{name: (the literal's node, its value)} for the names bound to a literal at the top of
+  ``owner`` (a test function, or the module for ``tests``' comparisons) that can be probed;
   ``known``: the names already expected (parametrize columns)."""
   found = {}
-  for stmt in fn.body:
+  for stmt in owner.body:
     target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else (
         stmt.target if isinstance(stmt, ast.AnnAssign) and stmt.value is not None else None)
     if isinstance(target, ast.Name) and target.id not in known:
@@ -245,10 +248,17 @@ def _constants(fn: ast.FunctionDef, known: frozenset) -> dict[str, tuple[ast.AST
         found[target.id] = (target, stmt.value, v)
   if not found:
     return {}
-  bound = _bound(fn)
+  bound = _bound(owner)
   found = {k: f for k, f in found.items() if bound.get(k) == 1}
-  keep = _only_expected(fn, known | frozenset(found), frozenset(id(t) for t, _, _ in found.values()))
+  keep = _only_expected(owner, known | frozenset(found), frozenset(id(t) for t, _, _ in found.values()),
+                        tests)
   return {k: (node, v) for k, (_, node, v) in found.items() if k in keep}
+
+
+def _hide(at, consts: dict[str, tuple[ast.AST, object]]) -> list[tuple[int, int, str]]:
+  """The edits that put ``None`` (newlines kept) where ``consts``' literals were."""
+  return [(at(node.lineno, node.col_offset), at(node.end_lineno, node.end_col_offset),
+           "(None" + "\n" * (node.end_lineno - node.lineno) + ")") for node, _ in consts.values()]
 
 
 def _column_edits(at, text: str, cols: dict[str, _Column]) -> list[tuple[int, int, str]]:
@@ -316,17 +326,19 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
   except (SyntaxError, ValueError, MemoryError, RecursionError):
     return None
   at, edits, probes, lists = _offsets(text), [], [], case_lists(tree)
+  tests = test_functions(tree)
   classes = {c.name: _columns(c, lists) for c in tree.body if isinstance(c, ast.ClassDef)}
-  for cols in classes.values():
+  own = {name: _columns(fn, lists) for name, fn in tests.items()}
+  columns = frozenset(k for cols in [*classes.values(), *own.values()] for k in cols)
+  module = _constants(tree, columns, list(tests.values()))  # EXPECTED = ... at the top of the file
+  edits += _hide(at, module)
+  for cols in [*classes.values(), *own.values()]:
     edits += _column_edits(at, text, cols)
-  for name, fn in test_functions(tree).items():
-    own = _columns(fn, lists)
-    edits += _column_edits(at, text, own)
-    cols = {**classes.get(name.split("::")[0] if "::" in name else None, {}), **own}
-    consts = _constants(fn, frozenset(cols))
-    for node, _ in consts.values():
-      pad = "\n" * (node.end_lineno - node.lineno)
-      edits.append((at(node.lineno, node.col_offset), at(node.end_lineno, node.end_col_offset), f"(None{pad})"))
+  for name, fn in tests.items():
+    cols = {**classes.get(name.split("::")[0] if "::" in name else None, {}), **own[name]}
+    local = _constants(fn, frozenset(cols) | frozenset(module))
+    edits += _hide(at, local)
+    consts = {**module, **local}
     found = sorted((n for stmt in fn.body for n in ast.walk(stmt) if isinstance(n, (ast.Assert, ast.Expr))),
                    key=lambda n: (n.lineno, n.col_offset))
     for stmt in found:

@@ -419,6 +419,62 @@ def test_a_local_bound_once_to_a_literal_is_an_expected_value_too(tmp_path):
   assert wrong == sorted(set(failing) & set(checked)) == [
       "t.py::test_annotated_over_lines", "t.py::test_loop", "t.py::test_used_elsewhere"]
 
+
+MODULE_SRC = """import unittest
+
+import mod
+
+EXPECTED = [5]
+SEVEN: int = 7
+USED = 11
+SHADOWED = 2
+
+
+def helper():
+    return USED
+
+
+def test_module_constant():
+    assert mod.f(4) == EXPECTED
+
+
+def test_two_tests_one_constant():
+    assert SEVEN == mod.f(6)
+
+
+class TestC(unittest.TestCase):
+    def test_in_a_class(self):
+        self.assertEqual(mod.f(6), SEVEN)
+
+
+def test_read_by_a_helper():
+    assert mod.f(10) == USED
+
+
+def test_shadowed():
+    SHADOWED = 3
+    assert mod.f(2) == SHADOWED
+"""
+
+
+def test_a_module_constant_only_compared_with_in_tests_is_an_expected_value_too(tmp_path):
+  """``EXPECTED = [5]`` at the top of the file, used only as the expected side in test functions,
+  is hidden there and probed in each test; ``USED``, also read by a helper, and ``SHADOWED``,
+  bound again in a test, keep their literals (the test's own binding is a local, probed as such)."""
+  text, found = probe_rewrite.rewrite(MODULE_SRC, "t.py")
+  assert [(p.test, p.want) for p in found] == [
+      ("t.py::test_module_constant", [5]), ("t.py::test_two_tests_one_constant", 7),
+      ("t.py::TestC::test_in_a_class", 7), ("t.py::test_shadowed", 3)]
+  assert "[5]" not in text and "SEVEN: int = (None)" in text and "7" not in text
+  assert "USED = 11" in text and "SHADOWED = 2" in text and "SHADOWED = (None)" in text
+  f2p, checked, wrong, failing = _against_original(tmp_path, MODULE_SRC, text, found,
+                                                   lambda n: "helper" not in n)
+  assert sorted(checked) == sorted(p.test for p in found)
+  assert wrong == sorted(set(failing) & set(checked)) == [
+      "t.py::TestC::test_in_a_class", "t.py::test_shadowed", "t.py::test_two_tests_one_constant"]
+  original_right, _ = _pytest(tmp_path, MODULE_SRC, MOD_RIGHT)
+  assert set(original_right.values()) == {"passed"}
+
 Point = collections.namedtuple("Point", "x y")
 
 
