@@ -24,6 +24,7 @@ class Probe:
   want: object  # the literal, evaluated on the host (None where ``arg`` is set)
   arg: str | None = None  # the expected value is this parametrize argument ...
   rows: tuple = ()  # ... whose literal in row k of its decorator is rows[k]
+  strict: bool = False  # an identity check (``is None``): the value's type must match too
 
   def want_at(self, indices: dict[str, int]):
     """The expected value in the test instance whose parametrize rows are ``indices``
@@ -47,39 +48,52 @@ def _value(node: ast.AST):
     return _NOT
 
 
-def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST] | None:
-  """The two sides of ``assert A == B`` or ``self.assertEqual(A, B[, msg])``, else None."""
+def _singleton(node: ast.AST) -> bool:
+  return isinstance(node, ast.Constant) and (node.value is None or type(node.value) is bool)
+
+
+def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST, bool] | None:
+  """(A, B, strict) of ``assert A == B``, ``self.assertEqual(A, B[, msg])``, and the identity
+  checks against ``None``, ``True`` or ``False`` (``assert A is None``, ``assertIs(A, True)``,
+  ``assertIsNone(A)``: ``strict``, as only that very value passes them); else None."""
   if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare):
     cmp = node.test
+    a, b = cmp.left, cmp.comparators[0]
     if len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.Eq):
-      return cmp.left, cmp.comparators[0]
+      return a, b, False
+    if len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.Is) and (_singleton(a) or _singleton(b)):
+      return a, b, True
   if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-    call = node.value
-    if (isinstance(call.func, ast.Attribute) and call.func.attr in ("assertEqual", "assertEquals")
-            and 2 <= len(call.args) <= 3 and not call.keywords):
-      return call.args[0], call.args[1]
+    call, n = node.value, len(node.value.args)
+    name = call.func.attr if isinstance(call.func, ast.Attribute) and not call.keywords else None
+    if name in ("assertEqual", "assertEquals") and 2 <= n <= 3:
+      return call.args[0], call.args[1], False
+    if name == "assertIs" and 2 <= n <= 3 and (_singleton(call.args[0]) or _singleton(call.args[1])):
+      return call.args[0], call.args[1], True
+    if name == "assertIsNone" and 1 <= n <= 2:
+      return call.args[0], ast.Constant(None), True
   return None
 
 
-def _split(node: ast.AST, params=frozenset()) -> tuple[ast.AST, object, ast.AST] | None:
-  """(the computed side, the expected literal, the expected side) of a comparison statement, the
-  right side preferred as the expected one; None when neither or both sides are literals. A bare
-  name in ``params`` (a parametrize argument whose column is all literals) is expected too, and
-  stands for itself: its literals are the rows'."""
+def _split(node: ast.AST, params=frozenset()) -> tuple[ast.AST, object, ast.AST, bool] | None:
+  """(the computed side, the expected literal, the expected side, strict) of a comparison
+  statement, the right side preferred as the expected one; None when neither or both sides are
+  literals. A bare name in ``params`` (a parametrize argument whose column is all literals) is
+  expected too, and stands for itself: its literals are the rows'."""
   sides = _sides(node)
   if sides is None:
     return None
+  a, b, strict = sides
 
   def expected(side):
     if isinstance(side, ast.Name) and side.id in params:
       return side
     return _value(side)
-  a, b = sides
   va, vb = expected(a), expected(b)
   if vb is not _NOT and va is _NOT:
-    return a, vb, b
+    return a, vb, b, strict
   if va is not _NOT and vb is _NOT:
-    return b, va, a
+    return b, va, a, strict
   return None
 
 
@@ -345,7 +359,7 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
       split = _split(stmt, frozenset(cols) | frozenset(consts))
       if split is None:
         continue
-      expr, want, _ = split
+      expr, want, _, strict = split
       src = ast.get_source_segment(text, expr)
       if src is None:
         continue
@@ -358,7 +372,7 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
       elif isinstance(want, ast.Name):
         probes.append(Probe(f"{file}::{name}", i, None, want.id, cols[want.id].values))
       else:
-        probes.append(Probe(f"{file}::{name}", i, want))
+        probes.append(Probe(f"{file}::{name}", i, want, strict=strict))
   for start, end, new in sorted(edits, reverse=True):
     text = text[:start] + new + text[end:]
   try:

@@ -211,7 +211,7 @@ def right(probe: Probe, seen: list, indices: dict[str, int] | None = None) -> bo
   want = probe.want_at(indices or {})
   if want is _NOT:
     return False
-  e = oracle.Expected(probe.index, want, False)
+  e = oracle.Expected(probe.index, want, probe.strict)
   return bool(seen) and all(oracle.matches(g, e) for g in seen)
 
 

@@ -263,17 +263,17 @@ def test_parametrized_probes_are_right_exactly_where_the_original_instances_pass
 
 
 
-def _against_original(tmp_path, src, text, found, keep):
+def _against_original(tmp_path, src, text, found, keep, right=MOD_RIGHT, wrong=MOD_WRONG):
   """The rows learned from collecting ``src``; the right module as the reference and the wrong one
   as the agent on the rewritten ``text``: (the F2P ids ``keep`` picks, the reference's ``sound``
   checks, the verdict, the ids whose original fails under pytest with the wrong module)."""
-  _, collected = _pytest(tmp_path, src, MOD_RIGHT, "--collect-only")
+  _, collected = _pytest(tmp_path, src, right, "--collect-only")
   f2p = sorted(n for n in collected.items if keep(n))
   params = {n: collected.items[n] for n in f2p}
-  ref_out, ref_run = _pytest(tmp_path, text, MOD_RIGHT)
+  ref_out, ref_run = _pytest(tmp_path, text, right)
   checked = probes.sound(found, f2p, *probes.by_test(f2p, params, ref_out, ref_run), params)
-  original_wrong, _ = _pytest(tmp_path, src, MOD_WRONG)
-  out, run = _pytest(tmp_path, text, MOD_WRONG)
+  original_wrong, _ = _pytest(tmp_path, src, wrong)
+  out, run = _pytest(tmp_path, text, wrong)
   wrong = probes.verdict(found, checked, *probes.by_test(f2p, params, out, run), params)
   return f2p, checked, sorted(wrong), sorted(n for n in f2p if original_wrong[n] != "passed")
 
@@ -474,6 +474,56 @@ def test_a_module_constant_only_compared_with_in_tests_is_an_expected_value_too(
       "t.py::TestC::test_in_a_class", "t.py::test_shadowed", "t.py::test_two_tests_one_constant"]
   original_right, _ = _pytest(tmp_path, MODULE_SRC, MOD_RIGHT)
   assert set(original_right.values()) == {"passed"}
+
+
+IS_SRC = """import unittest
+
+import mod
+
+
+def test_is_none():
+    assert mod.nothing(0) is None
+
+
+def test_is_true():
+    assert True is mod.yes(1)
+
+
+def test_false_equals_zero():
+    assert mod.yes(0) == 0
+
+
+class TestU(unittest.TestCase):
+    def test_assert_is(self):
+        self.assertIs(mod.yes(0), False)
+
+    def test_assert_is_none(self):
+        self.assertIsNone(mod.nothing(1), "a message")
+
+
+def test_is_not():
+    assert mod.yes(1) is not None
+"""
+IS_RIGHT = "def nothing(x):\n    return None\n\n\ndef yes(x):\n    return bool(x)\n"
+IS_WRONG = "def nothing(x):\n    return 0\n\n\ndef yes(x):\n    return int(bool(x))\n"  # == but not is
+
+
+def test_identity_checks_against_none_true_and_false_are_strict_probes(tmp_path):
+  """``is None``, ``is True``, ``assertIs(E, False)`` and ``assertIsNone(E)`` hold only for that
+  very value: their probes compare the type too, so ``0`` and ``1`` are wrong there, and stay right
+  where the original compares with ``==``. Against the original file under pytest."""
+  text, found = probe_rewrite.rewrite(IS_SRC, "t.py")
+  assert [(p.test, p.want, p.strict) for p in found] == [
+      ("t.py::test_is_none", None, True), ("t.py::test_is_true", True, True),
+      ("t.py::test_false_equals_zero", 0, False), ("t.py::TestU::test_assert_is", False, True),
+      ("t.py::TestU::test_assert_is_none", None, True)]
+  for lit in ("is None\n", "True is", "False)", "assertIsNone"):
+    assert lit not in text, lit
+  f2p, checked, wrong, failing = _against_original(tmp_path, IS_SRC, text, found, lambda n: True,
+                                                   IS_RIGHT, IS_WRONG)
+  assert sorted(checked) == sorted(p.test for p in found)
+  assert wrong == sorted(set(failing) & set(checked)) and len(wrong) == 4
+  assert "t.py::test_false_equals_zero" not in wrong and "t.py::test_is_not" not in checked
 
 Point = collections.namedtuple("Point", "x y")
 
