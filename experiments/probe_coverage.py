@@ -42,7 +42,8 @@ def _suites(packages: list[str]) -> dict[str, list[str]]:
 
 def count(suites: dict[str, list[str]]) -> dict:
   """Per suite: files, unparsable files, test functions, those with a probe, probes, and probes
-  by kind (a parametrize column, an identity check, a literal or a name bound to one)."""
+  by kind (a parametrize column, an identity check, a numpy.testing check, a literal or a name bound
+  to one)."""
   try:
     from composer_jax.env.probe_rewrite import rewrite, test_functions
   except ImportError:  # before stop 59 the rewrite lived in env/probes.py
@@ -51,7 +52,7 @@ def count(suites: dict[str, list[str]]) -> dict:
   out = {}
   for name, files in suites.items():
     row = {"files": len(files), "unparsable": 0, "test_functions": 0, "probed_functions": 0,
-           "probes": 0, "by_kind": {"column": 0, "identity": 0, "literal": 0}}
+           "probes": 0, "by_kind": {}}
     for path in files:
       try:
         with open(path, encoding="utf-8") as f:
@@ -69,8 +70,10 @@ def count(suites: dict[str, list[str]]) -> dict:
       row["probed_functions"] += len({p.test for p in found})
       row["probes"] += len(found)
       for p in found:
-        kind = "column" if getattr(p, "arg", None) else "identity" if getattr(p, "strict", False) else "literal"
-        row["by_kind"][kind] += 1
+        how = getattr(p, "how", ("==",))[0]
+        kind = "column" if getattr(p, "arg", None) else {"is": "identity", "array": "numpy",
+                                                          "close": "numpy"}.get(how, "literal")
+        row["by_kind"][kind] = row["by_kind"].get(kind, 0) + 1
     out[name] = row
   return out
 

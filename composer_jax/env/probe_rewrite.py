@@ -24,7 +24,8 @@ class Probe:
   want: object  # the literal, evaluated on the host (None where ``arg`` is set)
   arg: str | None = None  # the expected value is this parametrize argument ...
   rows: tuple = ()  # ... whose literal in row k of its decorator is rows[k]
-  strict: bool = False  # an identity check (``is None``): the value's type must match too
+  how: tuple = ("==",)  # the check: "==", "is" (the type must match too), "array"
+  #   (``assert_array_equal``) or ("close", rtol, atol, equal_nan) (``assert_allclose``)
 
   def want_at(self, indices: dict[str, int]):
     """The expected value in the test instance whose parametrize rows are ``indices``
@@ -52,38 +53,103 @@ def _singleton(node: ast.AST) -> bool:
   return isinstance(node, ast.Constant) and (node.value is None or type(node.value) is bool)
 
 
-def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST, bool] | None:
-  """(A, B, strict) of ``assert A == B``, ``self.assertEqual(A, B[, msg])``, and the identity
-  checks against ``None``, ``True`` or ``False`` (``assert A is None``, ``assertIs(A, True)``,
-  ``assertIsNone(A)``: ``strict``, as only that very value passes them); else None."""
+_CLOSE = ("rtol", "atol", "equal_nan", "err_msg", "verbose")  # assert_allclose's after the two
+
+
+_NUMPY_CHECKS = ("assert_array_equal", "assert_allclose")
+
+
+def _dotted(node: ast.AST) -> str | None:
+  if isinstance(node, ast.Name):
+    return node.id
+  if isinstance(node, ast.Attribute):
+    base = _dotted(node.value)
+    return None if base is None else f"{base}.{node.attr}"
+  return None
+
+
+def mark_numpy_checks(tree: ast.Module) -> None:
+  """Mark the calls that are ``numpy.testing``'s own checks (``np.testing.assert_allclose``,
+  ``npt.assert_array_equal``, ``from numpy.testing import ...``), as the file's imports spell them:
+  a function of the same name from elsewhere (``torch.testing.assert_allclose``, with other
+  default tolerances) is not one. ``_numpy_check`` reads the mark."""
+  spell = {}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for a in node.names:
+        if a.name == "numpy":
+          spell.update({f"{a.asname or 'numpy'}.testing.{f}": f for f in _NUMPY_CHECKS})
+        elif a.name == "numpy.testing":
+          spell.update({f"{a.asname or 'numpy.testing'}.{f}": f for f in _NUMPY_CHECKS})
+    elif isinstance(node, ast.ImportFrom) and node.level == 0:
+      for a in node.names:
+        if node.module == "numpy" and a.name == "testing":
+          spell.update({f"{a.asname or 'testing'}.{f}": f for f in _NUMPY_CHECKS})
+        elif node.module == "numpy.testing" and a.name in _NUMPY_CHECKS:
+          spell[a.asname or a.name] = a.name
+  for node in ast.walk(tree) if spell else ():
+    if isinstance(node, ast.Call) and _dotted(node.func) in spell:
+      node.cj_numpy = spell[_dotted(node.func)]
+
+
+def _numpy_check(call: ast.Call) -> tuple | None:
+  """The ``how`` of ``numpy.testing.assert_array_equal(A, B)`` ("array") or
+  ``assert_allclose(A, B[, rtol, atol, equal_nan])`` (with literal tolerances); None for another
+  call, or one whose options change what passes in a way the host cannot redo (``strict=``)."""
+  name, n = getattr(call, "cj_numpy", None), len(call.args)
+  kw = {k.arg: k.value for k in call.keywords}
+  if None in kw or n < 2:
+    return None
+  if name == "assert_array_equal" and n <= 4 and set(kw) <= {"err_msg", "verbose"}:
+    return ("array",)
+  if name == "assert_allclose" and n <= 7 and set(kw) <= set(_CLOSE):
+    opts = {"rtol": 1e-7, "atol": 0, "equal_nan": True}
+    for k, v in [*zip(_CLOSE, call.args[2:]), *kw.items()]:
+      if k in opts:
+        opts[k] = _value(v)
+    if any(v is _NOT for v in opts.values()):
+      return None
+    return ("close", opts["rtol"], opts["atol"], opts["equal_nan"])
+  return None
+
+
+def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST, tuple] | None:
+  """(A, B, how) of ``assert A == B``, ``self.assertEqual(A, B[, msg])``, the identity checks
+  against ``None``, ``True`` or ``False`` (``assert A is None``, ``assertIs(A, True)``,
+  ``assertIsNone(A)``: "is", as only that very value passes them), and ``numpy.testing``'s
+  ``assert_array_equal`` and ``assert_allclose`` (``_numpy_check``); else None."""
   if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare):
     cmp = node.test
     a, b = cmp.left, cmp.comparators[0]
     if len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.Eq):
-      return a, b, False
+      return a, b, ("==",)
     if len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.Is) and (_singleton(a) or _singleton(b)):
-      return a, b, True
+      return a, b, ("is",)
   if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
     call, n = node.value, len(node.value.args)
+    how = _numpy_check(call)
+    if how is not None:
+      return call.args[0], call.args[1], how
     name = call.func.attr if isinstance(call.func, ast.Attribute) and not call.keywords else None
     if name in ("assertEqual", "assertEquals") and 2 <= n <= 3:
-      return call.args[0], call.args[1], False
+      return call.args[0], call.args[1], ("==",)
     if name == "assertIs" and 2 <= n <= 3 and (_singleton(call.args[0]) or _singleton(call.args[1])):
-      return call.args[0], call.args[1], True
+      return call.args[0], call.args[1], ("is",)
     if name == "assertIsNone" and 1 <= n <= 2:
-      return call.args[0], ast.Constant(None), True
+      return call.args[0], ast.Constant(None), ("is",)
   return None
 
 
-def _split(node: ast.AST, params=frozenset()) -> tuple[ast.AST, object, ast.AST, bool] | None:
-  """(the computed side, the expected literal, the expected side, strict) of a comparison
-  statement, the right side preferred as the expected one; None when neither or both sides are
-  literals. A bare name in ``params`` (a parametrize argument whose column is all literals) is
-  expected too, and stands for itself: its literals are the rows'."""
+def _split(node: ast.AST, params=frozenset()) -> tuple[ast.AST, object, ast.AST, tuple] | None:
+  """(the computed side, the expected literal, the expected side, how) of a comparison statement,
+  the right side preferred as the expected one; None when neither or both sides are literals, or
+  when ``assert_allclose``'s literal is its first (its tolerance is relative to the second). A
+  bare name in ``params`` (a parametrize argument whose column is all literals) is expected too,
+  and stands for itself: its literals are the rows'."""
   sides = _sides(node)
   if sides is None:
     return None
-  a, b, strict = sides
+  a, b, how = sides
 
   def expected(side):
     if isinstance(side, ast.Name) and side.id in params:
@@ -91,9 +157,9 @@ def _split(node: ast.AST, params=frozenset()) -> tuple[ast.AST, object, ast.AST,
     return _value(side)
   va, vb = expected(a), expected(b)
   if vb is not _NOT and va is _NOT:
-    return a, vb, b, strict
-  if va is not _NOT and vb is _NOT:
-    return b, va, a, strict
+    return a, vb, b, how
+  if va is not _NOT and vb is _NOT and how[0] != "close":
+    return b, va, a, how
   return None
 
 
@@ -340,6 +406,7 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
   except (SyntaxError, ValueError, MemoryError, RecursionError):
     return None
   at, edits, probes, lists = _offsets(text), [], [], case_lists(tree)
+  mark_numpy_checks(tree)
   tests = test_functions(tree)
   classes = {c.name: _columns(c, lists) for c in tree.body if isinstance(c, ast.ClassDef)}
   own = {name: _columns(fn, lists) for name, fn in tests.items()}
@@ -359,7 +426,7 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
       split = _split(stmt, frozenset(cols) | frozenset(consts))
       if split is None:
         continue
-      expr, want, _, strict = split
+      expr, want, _, how = split
       src = ast.get_source_segment(text, expr)
       if src is None:
         continue
@@ -368,11 +435,11 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
       edits.append((at(stmt.lineno, stmt.col_offset), at(stmt.end_lineno, stmt.end_col_offset),
                     f"{PROBE}({i}, ({src}){pad})"))
       if isinstance(want, ast.Name) and want.id in consts:
-        probes.append(Probe(f"{file}::{name}", i, consts[want.id][1]))
+        probes.append(Probe(f"{file}::{name}", i, consts[want.id][1], how=how))
       elif isinstance(want, ast.Name):
-        probes.append(Probe(f"{file}::{name}", i, None, want.id, cols[want.id].values))
+        probes.append(Probe(f"{file}::{name}", i, None, want.id, cols[want.id].values, how))
       else:
-        probes.append(Probe(f"{file}::{name}", i, want, strict=strict))
+        probes.append(Probe(f"{file}::{name}", i, want, how=how))
   for start, end, new in sorted(edits, reverse=True):
     text = text[:start] + new + text[end:]
   try:

@@ -513,10 +513,10 @@ def test_identity_checks_against_none_true_and_false_are_strict_probes(tmp_path)
   very value: their probes compare the type too, so ``0`` and ``1`` are wrong there, and stay right
   where the original compares with ``==``. Against the original file under pytest."""
   text, found = probe_rewrite.rewrite(IS_SRC, "t.py")
-  assert [(p.test, p.want, p.strict) for p in found] == [
-      ("t.py::test_is_none", None, True), ("t.py::test_is_true", True, True),
-      ("t.py::test_false_equals_zero", 0, False), ("t.py::TestU::test_assert_is", False, True),
-      ("t.py::TestU::test_assert_is_none", None, True)]
+  assert [(p.test, p.want, p.how) for p in found] == [
+      ("t.py::test_is_none", None, ("is",)), ("t.py::test_is_true", True, ("is",)),
+      ("t.py::test_false_equals_zero", 0, ("==",)), ("t.py::TestU::test_assert_is", False, ("is",)),
+      ("t.py::TestU::test_assert_is_none", None, ("is",))]
   for lit in ("is None\n", "True is", "False)", "assertIsNone"):
     assert lit not in text, lit
   f2p, checked, wrong, failing = _against_original(tmp_path, IS_SRC, text, found, lambda n: True,
@@ -524,6 +524,65 @@ def test_identity_checks_against_none_true_and_false_are_strict_probes(tmp_path)
   assert sorted(checked) == sorted(p.test for p in found)
   assert wrong == sorted(set(failing) & set(checked)) and len(wrong) == 4
   assert "t.py::test_false_equals_zero" not in wrong and "t.py::test_is_not" not in checked
+
+
+NUMPY_SRC = """import numpy as np
+import numpy.testing as npt
+from numpy.testing import assert_allclose as close
+
+import mod
+
+
+def assert_allclose(a, b):  # the file's own helper of that name: not numpy's
+    assert abs(a - b) < 0.1
+
+
+def test_array_equal():
+    np.testing.assert_array_equal(mod.arr(3), [0, 1, 2])
+
+
+def test_array_equal_takes_a_tuple():
+    npt.assert_array_equal(mod.pair(), [1, 2], err_msg="pair")
+
+
+def test_allclose_default():
+    close(mod.third(), 0.333333333)
+
+
+def test_allclose_tolerance():
+    np.testing.assert_allclose(mod.third(), 0.33, rtol=0.05)
+
+
+def test_own_helper():
+    assert_allclose(mod.third(), 0.3)
+
+
+def test_literal_first():
+    np.testing.assert_allclose(0.33, mod.third(), 0.05)
+"""
+NUMPY_RIGHT = ("import numpy as np\n\n\ndef arr(n):\n    return np.arange(n)\n\n\n"
+               "def pair():\n    return (1, 2)\n\n\ndef third():\n    return np.float32(1) / 3\n")
+NUMPY_WRONG = NUMPY_RIGHT.replace("np.arange(n)", "np.arange(n) + 1").replace("np.float32(1) / 3", "0.34")
+
+
+def test_numpy_testing_checks_are_probed_with_their_own_tolerances(tmp_path):
+  """``numpy.testing.assert_array_equal`` and ``assert_allclose``, as the file's imports spell
+  them, are probed; the host redoes numpy's own check on the recorded plain data with the test's
+  tolerances. A same-named helper of the file's own, and an allclose with the literal first, stay.
+  Against the original file under pytest: 0.34 is wrong at rtol 1e-7 and right at rtol 0.05."""
+  text, found = probe_rewrite.rewrite(NUMPY_SRC, "t.py")
+  assert [(p.test, p.want, p.how) for p in found] == [
+      ("t.py::test_array_equal", [0, 1, 2], ("array",)),
+      ("t.py::test_array_equal_takes_a_tuple", [1, 2], ("array",)),
+      ("t.py::test_allclose_default", 0.333333333, ("close", 1e-7, 0, True)),
+      ("t.py::test_allclose_tolerance", 0.33, ("close", 0.05, 0, True))]
+  for lit in ("[0, 1, 2]", "0.333333333", "mod.third(), 0.33"):
+    assert lit not in text, lit
+  f2p, checked, wrong, failing = _against_original(tmp_path, NUMPY_SRC, text, found, lambda n: True,
+                                                   NUMPY_RIGHT, NUMPY_WRONG)
+  assert sorted(checked) == sorted(p.test for p in found)
+  assert wrong == sorted(set(failing) & set(checked)) == [
+      "t.py::test_allclose_default", "t.py::test_array_equal"]
 
 Point = collections.namedtuple("Point", "x y")
 
