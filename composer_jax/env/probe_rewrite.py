@@ -25,7 +25,8 @@ class Probe:
   arg: str | None = None  # the expected value is this parametrize argument ...
   rows: tuple = ()  # ... whose literal in row k of its decorator is rows[k]
   how: tuple = ("==",)  # the check: "==", "is" (the type must match too), "array"
-  #   (``assert_array_equal``) or ("close", rtol, atol, equal_nan) (``assert_allclose``)
+  #   (``assert_array_equal``), ("close", rtol, atol, equal_nan) (``assert_allclose``),
+  #   ("approx", rel, abs, nan_ok) (``== pytest.approx(...)``), ("almost", places, delta)
 
   def want_at(self, indices: dict[str, int]):
     """The expected value in the test instance whose parametrize rows are ``indices``
@@ -68,60 +69,85 @@ def _dotted(node: ast.AST) -> str | None:
   return None
 
 
-def mark_numpy_checks(tree: ast.Module) -> None:
+def mark_checks(tree: ast.Module) -> None:
   """Mark the calls that are ``numpy.testing``'s own checks (``np.testing.assert_allclose``,
-  ``npt.assert_array_equal``, ``from numpy.testing import ...``), as the file's imports spell them:
-  a function of the same name from elsewhere (``torch.testing.assert_allclose``, with other
-  default tolerances) is not one. ``_numpy_check`` reads the mark."""
+  ``npt.assert_array_equal``, ``from numpy.testing import ...``) and ``pytest.approx``, as the
+  file's imports spell them: a function of the same name from elsewhere
+  (``torch.testing.assert_allclose``, with other default tolerances) is not one. ``_sides`` reads
+  the mark."""
   spell = {}
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
       for a in node.names:
-        if a.name == "numpy":
+        if a.name == "pytest":
+          spell[f"{a.asname or 'pytest'}.approx"] = "approx"
+        elif a.name == "numpy":
           spell.update({f"{a.asname or 'numpy'}.testing.{f}": f for f in _NUMPY_CHECKS})
         elif a.name == "numpy.testing":
           spell.update({f"{a.asname or 'numpy.testing'}.{f}": f for f in _NUMPY_CHECKS})
     elif isinstance(node, ast.ImportFrom) and node.level == 0:
       for a in node.names:
-        if node.module == "numpy" and a.name == "testing":
+        if node.module == "pytest" and a.name == "approx":
+          spell[a.asname or a.name] = "approx"
+        elif node.module == "numpy" and a.name == "testing":
           spell.update({f"{a.asname or 'testing'}.{f}": f for f in _NUMPY_CHECKS})
         elif node.module == "numpy.testing" and a.name in _NUMPY_CHECKS:
           spell[a.asname or a.name] = a.name
   for node in ast.walk(tree) if spell else ():
     if isinstance(node, ast.Call) and _dotted(node.func) in spell:
-      node.cj_numpy = spell[_dotted(node.func)]
+      node.cj_check = spell[_dotted(node.func)]
 
 
 def _numpy_check(call: ast.Call) -> tuple | None:
   """The ``how`` of ``numpy.testing.assert_array_equal(A, B)`` ("array") or
   ``assert_allclose(A, B[, rtol, atol, equal_nan])`` (with literal tolerances); None for another
   call, or one whose options change what passes in a way the host cannot redo (``strict=``)."""
-  name, n = getattr(call, "cj_numpy", None), len(call.args)
-  kw = {k.arg: k.value for k in call.keywords}
-  if None in kw or n < 2:
-    return None
-  if name == "assert_array_equal" and n <= 4 and set(kw) <= {"err_msg", "verbose"}:
-    return ("array",)
-  if name == "assert_allclose" and n <= 7 and set(kw) <= set(_CLOSE):
-    opts = {"rtol": 1e-7, "atol": 0, "equal_nan": True}
-    for k, v in [*zip(_CLOSE, call.args[2:]), *kw.items()]:
-      if k in opts:
-        opts[k] = _value(v)
-    if any(v is _NOT for v in opts.values()):
-      return None
-    return ("close", opts["rtol"], opts["atol"], opts["equal_nan"])
+  name, n = getattr(call, "cj_check", None), len(call.args)
+  if name == "assert_array_equal" and n >= 2:
+    opts = _literal_options(call, ("err_msg", "verbose"), {}, 2)
+    return None if opts is None else ("array",)
+  if name == "assert_allclose" and n >= 2:
+    opts = _literal_options(call, _CLOSE, {"rtol": 1e-7, "atol": 0, "equal_nan": True}, 2)
+    return None if opts is None else ("close", opts["rtol"], opts["atol"], opts["equal_nan"])
   return None
+
+
+def _literal_options(call: ast.Call, names: tuple, defaults: dict, first: int) -> dict | None:
+  """``call``'s options (positional from argument ``first`` on, in the order of ``names``, or by
+  keyword) that are in ``defaults``, over the defaults; None when one is not a literal or a
+  keyword is not in ``names``."""
+  kw = {k.arg: k.value for k in call.keywords}
+  if None in kw or not set(kw) <= set(names) or len(call.args) > first + len(names):
+    return None
+  opts = dict(defaults)
+  for k, v in [*zip(names, call.args[first:]), *kw.items()]:
+    if k in opts:
+      opts[k] = _value(v)
+  return None if any(v is _NOT for v in opts.values()) else opts
+
+
+def _approx(node: ast.AST) -> tuple[ast.AST, tuple] | None:
+  """(the literal, how) of ``pytest.approx(LITERAL[, rel, abs, nan_ok])``; else None."""
+  if not (isinstance(node, ast.Call) and getattr(node, "cj_check", None) == "approx" and node.args):
+    return None
+  opts = _literal_options(node, ("rel", "abs", "nan_ok"), {"rel": None, "abs": None, "nan_ok": False}, 1)
+  return None if opts is None else (node.args[0], ("approx", opts["rel"], opts["abs"], opts["nan_ok"]))
 
 
 def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST, tuple] | None:
   """(A, B, how) of ``assert A == B``, ``self.assertEqual(A, B[, msg])``, the identity checks
   against ``None``, ``True`` or ``False`` (``assert A is None``, ``assertIs(A, True)``,
-  ``assertIsNone(A)``: "is", as only that very value passes them), and ``numpy.testing``'s
-  ``assert_array_equal`` and ``assert_allclose`` (``_numpy_check``); else None."""
+  ``assertIsNone(A)``: "is", as only that very value passes them), ``A == pytest.approx(B)``,
+  unittest's ``assertAlmostEqual``, and ``numpy.testing``'s ``assert_array_equal`` and
+  ``assert_allclose`` (``_numpy_check``); else None."""
   if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare):
     cmp = node.test
     a, b = cmp.left, cmp.comparators[0]
     if len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.Eq):
+      for computed, other in ((a, b), (b, a)):
+        approx = _approx(other)
+        if approx is not None:  # E == pytest.approx(LITERAL): the literal is the expected side
+          return computed, approx[0], approx[1]
       return a, b, ("==",)
     if len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.Is) and (_singleton(a) or _singleton(b)):
       return a, b, ("is",)
@@ -130,6 +156,10 @@ def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST, tuple] | None:
     how = _numpy_check(call)
     if how is not None:
       return call.args[0], call.args[1], how
+    if isinstance(call.func, ast.Attribute) and call.func.attr in ("assertAlmostEqual", "assertAlmostEquals"):
+      opts = _literal_options(call, ("places", "msg", "delta"), {"places": None, "delta": None}, 2)
+      if n >= 2 and opts is not None:
+        return call.args[0], call.args[1], ("almost", opts["places"], opts["delta"])
     name = call.func.attr if isinstance(call.func, ast.Attribute) and not call.keywords else None
     if name in ("assertEqual", "assertEquals") and 2 <= n <= 3:
       return call.args[0], call.args[1], ("==",)
@@ -406,7 +436,7 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
   except (SyntaxError, ValueError, MemoryError, RecursionError):
     return None
   at, edits, probes, lists = _offsets(text), [], [], case_lists(tree)
-  mark_numpy_checks(tree)
+  mark_checks(tree)
   tests = test_functions(tree)
   classes = {c.name: _columns(c, lists) for c in tree.body if isinstance(c, ast.ClassDef)}
   own = {name: _columns(fn, lists) for name, fn in tests.items()}

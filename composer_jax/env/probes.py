@@ -31,6 +31,7 @@ import inspect
 import json
 import os
 import threading
+import unittest
 import warnings
 
 from composer_jax.env import oracle
@@ -208,20 +209,28 @@ def by_test(f2p: list[str], params: dict[str, dict[str, int]], outcomes: dict[st
 
 def _holds(how: tuple, got, want) -> bool:
   """``got`` passes the probe's check against ``want``: ``==`` (or ``is``, the type too) on plain
-  data, or numpy.testing's own check, redone on the host with the test's tolerances. Plain data
+  data, or the test's own check (numpy.testing's, ``pytest.approx``, unittest's
+  ``assertAlmostEqual``), redone on the host with the test's tolerances. Plain data
   is what the sandbox's arrays were (``tolist``), so numpy compares the same numbers; a value that
   was not plain data (``oracle``'s stand-in for it) equals nothing."""
   if how[0] in ("==", "is"):
     return oracle.matches(got, oracle.Expected(0, want, how[0] == "is"))
-  import numpy as np
   try:
-    with warnings.catch_warnings(), np.errstate(all="ignore"):
+    with warnings.catch_warnings():
       warnings.simplefilter("ignore")
-      if how[0] == "array":
-        np.testing.assert_array_equal(got, want)
-      else:
-        np.testing.assert_allclose(got, want, rtol=how[1], atol=how[2], equal_nan=how[3])
-  except Exception:  # noqa: BLE001 -- AssertionError, or data numpy cannot compare: not right
+      if how[0] == "approx":
+        import pytest
+        return (got == pytest.approx(want, rel=how[1], abs=how[2], nan_ok=how[3])) is True
+      if how[0] == "almost":
+        unittest.TestCase().assertAlmostEqual(got, want, places=how[1], delta=how[2])
+        return True
+      import numpy as np
+      with np.errstate(all="ignore"):
+        if how[0] == "array":
+          np.testing.assert_array_equal(got, want)
+        else:
+          np.testing.assert_allclose(got, want, rtol=how[1], atol=how[2], equal_nan=how[3])
+  except Exception:  # noqa: BLE001 -- the check failed, or data it cannot compare: not right
     return False
   return True
 

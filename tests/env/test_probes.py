@@ -584,6 +584,59 @@ def test_numpy_testing_checks_are_probed_with_their_own_tolerances(tmp_path):
   assert wrong == sorted(set(failing) & set(checked)) == [
       "t.py::test_allclose_default", "t.py::test_array_equal"]
 
+
+APPROX_SRC = """import unittest
+
+import pytest
+from pytest import approx as near
+
+import mod
+
+
+def test_approx():
+    assert mod.third() == pytest.approx(0.3333333)
+
+
+def test_approx_first_and_loose():
+    assert near(0.33, rel=0.05) == mod.third()
+
+
+def test_approx_tuple():
+    assert mod.pair() == pytest.approx((1.0, 2.0))
+
+
+def test_approx_of_a_name():
+    assert mod.third() == pytest.approx(mod.third())
+
+
+class TestA(unittest.TestCase):
+    def test_almost(self):
+        self.assertAlmostEqual(mod.third(), 0.3333333, places=6)
+
+    def test_almost_delta(self):
+        self.assertAlmostEqual(mod.third(), 0.3, delta=0.05)
+"""
+
+
+def test_approx_and_assert_almost_equal_are_probed_with_their_own_tolerances(tmp_path):
+  """``E == pytest.approx(LITERAL[, rel, abs])`` (as the imports spell it) and unittest's
+  ``assertAlmostEqual(E, LITERAL[, places, delta])`` are probed, and the host redoes the same
+  check with the same tolerances. Against the original file under pytest, with the float32 and
+  0.34 modules of the numpy test: 0.34 is wrong at the default tolerances, right at loose ones."""
+  text, found = probe_rewrite.rewrite(APPROX_SRC, "t.py")
+  assert [(p.test, p.want, p.how) for p in found] == [
+      ("t.py::test_approx", 0.3333333, ("approx", None, None, False)),
+      ("t.py::test_approx_first_and_loose", 0.33, ("approx", 0.05, None, False)),
+      ("t.py::test_approx_tuple", (1.0, 2.0), ("approx", None, None, False)),
+      ("t.py::TestA::test_almost", 0.3333333, ("almost", 6, None)),
+      ("t.py::TestA::test_almost_delta", 0.3, ("almost", None, 0.05))]
+  for lit in ("0.3333333", "0.33", "(1.0, 2.0)", "0.3,"):
+    assert lit not in text, lit
+  f2p, checked, wrong, failing = _against_original(tmp_path, APPROX_SRC, text, found, lambda n: True,
+                                                   NUMPY_RIGHT, NUMPY_WRONG)
+  assert sorted(checked) == sorted(p.test for p in found)
+  assert wrong == sorted(set(failing) & set(checked)) == ["t.py::TestA::test_almost", "t.py::test_approx"]
+
 Point = collections.namedtuple("Point", "x y")
 
 
