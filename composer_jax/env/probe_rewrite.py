@@ -1,10 +1,13 @@
 """The host's rewrite of a test file for value probes (``env/probes.py`` says why): each literal
 comparison in a test function becomes ``__cj_probe__(i, E)`` and its expected value a ``Probe``.
 
-Expected values come from three places: the literal in the comparison itself, a parametrize column
-(in the decorator, a module-level case list or the test class's decorator), and a local bound once to
-a literal. A name is hidden only when every use of it is the expected side of a comparison, so the
-rewritten file computes what the original did and only the expected values leave it.
+Expected values come from the literal in the comparison itself, a parametrize column (in the
+decorator, a module-level case list or the test class's decorator), or a name bound once to a
+literal (a local, or a module constant that only the tests compare with). A name is hidden only
+when every use of it is the expected side of a comparison, so the rewritten file computes what the
+original did and only the expected values leave it. The checks are ``==``, ``is`` against ``None``,
+``True`` or ``False``, numpy.testing's array checks, ``pytest.approx`` and ``assertAlmostEqual``; a
+probe's ``how`` names its check, and the host redoes it (``probes._holds``).
 """
 
 from __future__ import annotations
