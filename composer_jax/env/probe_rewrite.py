@@ -226,19 +226,16 @@ def case_lists(tree: ast.Module) -> dict[str, ast.AST]:
       bound[node.targets[0].id] = node.value
   if not bound:
     return {}
-  uses: dict[str, int] = {}
-  for n in ast.walk(tree):
-    if isinstance(n, ast.Name) and n.id in bound:
-      uses[n.id] = uses.get(n.id, 0) + 1  # the binding itself is one
-    elif isinstance(n, (ast.Global, ast.Nonlocal)):
-      for name in n.names:
-        uses[name] = uses.get(name, 0) + 2
+  binds = _bound(tree)  # the same count of bindings as for names bound to a literal
+  loads: dict[str, int] = {}
   rows_of = set()
   for n in ast.walk(tree):
-    if (isinstance(n, ast.Call) and _attr(n.func) == "parametrize" and len(n.args) == 2
-        and isinstance(n.args[1], ast.Name)):
+    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id in bound:
+      loads[n.id] = loads.get(n.id, 0) + 1
+    elif (isinstance(n, ast.Call) and _attr(n.func) == "parametrize" and len(n.args) == 2
+          and isinstance(n.args[1], ast.Name)):
       rows_of.add(n.args[1].id)
-  return {k: v for k, v in bound.items() if uses.get(k) == 2 and k in rows_of}
+  return {k: v for k, v in bound.items() if binds.get(k) == 1 and loads.get(k) == 1 and k in rows_of}
 
 
 def _param_rows(call: ast.Call, lists: dict[str, ast.AST]):

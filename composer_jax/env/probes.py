@@ -198,7 +198,7 @@ def by_test(f2p: list[str], params: dict[str, dict[str, int]], outcomes: dict[st
   """The run's outcomes and values under the FAIL_TO_PASS node ids. An instance whose parametrize
   ids the rewrite made opaque is found by its rows (``params``, from collecting the original
   files); an id ``params`` does not hold is its own (the rewrite kept it)."""
-  where = {_key(n, ix): n for n, ix in run.items.items() if ix is not None}
+  where = {_key(n, ix): n for n, ix in run.items.items()}  # read_run kept only whole rows
   outs, vals = {}, {}
   for nid in f2p:
     got = where.get(_key(nid, params[nid])) if nid in params else nid
