@@ -374,7 +374,9 @@ def _main(args) -> int:
   for name in ("sft_overrides", "pretrain_overrides", "eval_overrides"):
     stage_config(cfg, getattr(cfg.run, name))  # a bad stage override fails now, in one line
   stage_config(cfg, anneal_overrides(cfg, list(cfg.run.sft_overrides)))
-  stage_config(cfg, ["rl.sft_mix_path=sft/trajectories.jsonl"] + list(cfg.run.rl_overrides))
+  from composer_jax.rl import preflight
+  # The RL stage's Ray (cluster address, object store, pinned cores), now rather than 15 min in.
+  preflight.check(stage_config(cfg, ["rl.sft_mix_path=sft/trajectories.jsonl"] + list(cfg.run.rl_overrides)))
   if cfg.run.base:  # before any stage: a wrong base is one line, not a failed pretraining stage
     from composer_jax.train.init import check_base
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, base=resolve_beside(

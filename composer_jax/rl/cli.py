@@ -39,6 +39,8 @@ def run(args) -> int:
       raise ConfigError(f"--init {args.init!r} is not a run directory or checkpoint step directory")
   from composer_jax.rl.loop import load_task_set
   load_task_set(cfg.rl.tasks, "rl.tasks")  # a bad folder fails here, before anything compiles
+  from composer_jax.rl import preflight
+  preflight.check(cfg)  # the workers' Ray: a cluster that answers, a store that fits, cores to pin
   from composer_jax.rl.loop import run_rl
   run_rl(cfg, args.out, init=args.init, resume=args.resume)
   return 0

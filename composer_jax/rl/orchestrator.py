@@ -122,14 +122,16 @@ class Orchestrator:
   def __init__(self, cfg: Config, tok_path: str, log=print, worker_cls=None):
     import ray
 
+    from composer_jax.rl.preflight import ray_address
     from composer_jax.rl.weights import Publisher
     from composer_jax.rl.worker_devices import actor_resources
     self.cfg, self.tok_path, self.log = cfg, tok_path, log
     rl = cfg.rl
     self.own_ray = not ray.is_initialized()
+    joined = ray_address(rl)  # RAY_ADDRESS counts: ray.init joins it whatever it is given
     if self.own_ray:
-      ray.init(address=rl.ray_address or None, include_dashboard=False, log_to_driver=False,
-               configure_logging=False, **({} if rl.ray_address else _local_ray(rl)))
+      ray.init(address=joined or None, include_dashboard=False, log_to_driver=False,
+               configure_logging=False, **({} if joined else _local_ray(rl)))
     self.resources = actor_resources(cfg)
     self.actor_cls = ray.remote(max_restarts=0, concurrency_groups={"weights": 1, "rollouts": 1,
                                                                   "units": UNIT_THREADS},
@@ -140,7 +142,7 @@ class Orchestrator:
                       if rl.broadcast_from == "leader" else None)
     self.chain: list = []  # the newest broadcast chain, for every worker (and every one spawned later)
     # rl.worker_cpus: on a Ray of our own, the learner (this process) and the workers on their own cores.
-    self.cpus = split(rl.worker_cpus) if self.own_ray and not rl.ray_address else None
+    self.cpus = split(rl.worker_cpus) if self.own_ray and not joined else None
     self.driver_cpus = pin_process(self.cpus[0]) if self.cpus else None
     if self.cpus:
       log(f"[rl] learner on cores {sorted(self.cpus[0])}, rollout workers on {sorted(self.cpus[1])}")

@@ -1,0 +1,158 @@
+"""What the asynchronous RL stage needs of the machine, checked before any stage starts.
+
+``config_check.validate`` checks a config on its own; these checks look at the machine: a Ray
+cluster that answers at ``rl.ray_address``, a preallocated object store that fits in memory, and
+cores left for the learner when ``rl.worker_cpus`` pins the workers. Without them a wrong address or
+an oversized store surfaced as Ray's error (or a minute of retries) when the RL stage began, 15
+minutes into the main job. Each failure is one line naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from composer_jax.config import Config, ConfigError
+
+# Ray joins the cluster in this variable whatever address ray.init is given (ray._private.services,
+# get_ray_address_from_environment), so it counts as the address too.
+ENV = "RAY_ADDRESS"
+STORE_SHARE = 0.5  # a preallocated store may take at most this share of the memory available
+_FORMS = "give 'auto', 'host:port' (the head's GCS port, 6379 by default) or 'ray://host:port'"
+
+
+def ray_address(rl) -> str:
+  """The cluster the workers' Ray joins: ``RAY_ADDRESS`` when set, else ``rl.ray_address``; '' = a
+  Ray of this process's own."""
+  return os.environ.get(ENV, "") or rl.ray_address
+
+
+def check(cfg: Config, timeout_s: float = 3.0) -> None:
+  """Raises ConfigError (one line) when the RL stage of ``cfg`` could not start its Ray workers."""
+  rl = cfg.rl
+  if not rl.async_:
+    return  # the synchronous loop starts no Ray
+  env = os.environ.get(ENV, "")
+  if env and rl.ray_address and env != rl.ray_address:
+    raise ConfigError(f"rl.ray_address={rl.ray_address!r} but {ENV}={env!r}, and Ray joins {ENV} "
+                      f"whatever it is given: make them agree, or unset one")
+  field = f"{ENV}={env!r}" if env else f"rl.ray_address={rl.ray_address!r}"
+  own = f"unset {ENV}" if env else "leave rl.ray_address empty"
+  if ray_address(rl):
+    _check_cluster(ray_address(rl), field, own, timeout_s)
+  else:
+    _check_local(rl)
+
+
+def _check_cluster(addr: str, field: str, own: str, timeout_s: float) -> None:
+  if addr == "local":
+    return  # ray.init starts a new local cluster
+  if addr == "auto":
+    found = _current_cluster()
+    if not found and _gcs_running():
+      return  # Ray's fallback: it asks the running GCS process for its address
+    if not found:
+      raise ConfigError(f"{field} finds no Ray cluster started on this machine: start one (`ray start "
+                        f"--head`), give its address, or {own} for a Ray of this job's own")
+    addr = found
+  host, port = _host_port(addr, field)
+  try:
+    socket.create_connection((host, port), timeout=timeout_s).close()
+  except OSError as e:
+    head = ("`ray start --head`, whose client server listens on 10001" if addr.startswith("ray://")
+            else f"`ray start --head --port {port}`")
+    raise ConfigError(f"{field}: nothing answers at {host}:{port} ({e.strerror or e}): start the "
+                      f"head there ({head}), fix the address, or {own} for a Ray of this job's "
+                      f"own") from None
+
+
+def _host_port(addr: str, field: str) -> tuple[str, int]:
+  rest = addr.removeprefix("ray://")
+  host, sep, port = rest.rpartition(":")
+  if not sep or not host or "/" in rest or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ConfigError(f"{field} is not a Ray address: {_FORMS}")
+  return host.strip("[]"), int(port)  # [::1]:6379
+
+
+def _current_cluster() -> str:
+  """The address of the last `ray start` on this machine (Ray's own record of it, in its temp
+  folder), or '' when there is none."""
+  tmp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+  try:
+    with open(os.path.join(tmp, "ray", "ray_current_cluster")) as f:
+      return f.read().strip()
+  except OSError:
+    return ""
+
+
+def _gcs_running() -> bool:
+  """A Ray head's GCS process on this machine: without the record, ``auto`` still finds it."""
+  for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+    try:
+      with open(f"/proc/{pid}/comm") as f:
+        if f.read().strip() == "gcs_server":
+          return True
+    except OSError:
+      continue
+  return False
+
+
+def _check_local(rl) -> None:
+  if rl.object_store_mb > 0:
+    avail = available_memory_bytes() >> 20
+    cap = int(avail * STORE_SHARE)
+    if rl.object_store_mb > cap:
+      raise ConfigError(f"rl.object_store_mb={rl.object_store_mb} preallocates more than "
+                        f"{STORE_SHARE:.0%} of the {avail} MiB of memory available here: give at most "
+                        f"{cap}, or 0 for Ray's default (sized and filled lazily)")
+  if rl.worker_cpus > 0 and hasattr(os, "sched_getaffinity"):
+    cores = len(os.sched_getaffinity(0))
+    if rl.worker_cpus >= cores:
+      raise ConfigError(f"rl.worker_cpus={rl.worker_cpus} leaves the learner no core: this process "
+                        f"may run on {cores}; give at most {cores - 1}, or 0 for no pinning")
+
+
+def available_memory_bytes() -> int:
+  """Memory this process can still get: /proc/meminfo's MemAvailable, lowered to what its memory
+  cgroup's limit leaves (v2 or v1), so a container's limit counts, not the host's memory."""
+  avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          avail = int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  left = _cgroup_left()
+  return max(min(avail, left) if left is not None else avail, 0)
+
+
+# (mount, its /proc/self/cgroup controller field, limit file, usage file) of cgroup v2, then v1.
+_CGROUPS = (("/sys/fs/cgroup", "", "memory.max", "memory.current"),
+            ("/sys/fs/cgroup/memory", "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"))
+
+
+def _cgroup_left() -> int | None:
+  """Bytes left under this process's memory cgroup limit; None without a limit or a cgroup."""
+  try:
+    with open("/proc/self/cgroup") as f:
+      fields = {c: path for _, cs, path in (ln.rstrip("\n").split(":", 2) for ln in f)
+                for c in cs.split(",")}
+  except (OSError, ValueError):
+    return None
+  for mount, controller, limit_file, usage_file in _CGROUPS:
+    if controller not in fields:
+      continue
+    # Inside a container the recorded path is the host's; the container sees its cgroup at the mount.
+    for base in (os.path.join(mount, fields[controller].lstrip("/")), mount):
+      try:
+        with open(os.path.join(base, limit_file)) as f:
+          limit = f.read().strip()
+        with open(os.path.join(base, usage_file)) as f:
+          usage = int(f.read())
+      except (OSError, ValueError):
+        continue
+      if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
+        return None
+      return int(limit) - usage
+  return None

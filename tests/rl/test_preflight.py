@@ -1,0 +1,194 @@
+"""The RL stage's machine checks (rl/preflight.py): a Ray address that answers, a store that fits, cores
+to pin; each wrong input is one line naming the field, before the main job writes anything."""
+
+import os
+import socket
+
+import pytest
+
+from composer_jax import cli
+from composer_jax.config import ConfigError, load_config
+from composer_jax.rl import preflight
+
+
+@pytest.fixture(autouse=True)
+def _no_env_address(monkeypatch, tmp_path):
+  monkeypatch.delenv("RAY_ADDRESS", raising=False)
+  monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "raytmp"))  # no `ray start` record unless a test writes one
+  monkeypatch.setattr(preflight, "_gcs_running", lambda: False)
+
+
+@pytest.fixture
+def listening():
+  """host:port of a socket that accepts connections, as a Ray head's GCS port would."""
+  s = socket.socket()
+  s.bind(("127.0.0.1", 0))
+  s.listen()
+  yield f"127.0.0.1:{s.getsockname()[1]}"
+  s.close()
+
+
+def _closed_port() -> int:
+  s = socket.socket()
+  s.bind(("127.0.0.1", 0))
+  port = s.getsockname()[1]
+  s.close()  # nothing listens there now
+  return port
+
+
+def _check(*overrides):
+  preflight.check(load_config(None, list(overrides)), timeout_s=2.0)
+
+
+def _error(*overrides) -> str:
+  with pytest.raises(ConfigError) as e:
+    _check(*overrides)
+  msg = str(e.value)
+  assert "\n" not in msg
+  return msg
+
+
+def test_an_address_that_answers_passes_in_both_forms(listening):
+  _check(f"rl.ray_address={listening}")
+  _check(f"rl.ray_address=ray://{listening}")
+  _check("rl.ray_address=local")  # ray.init starts a new local cluster: nothing to reach
+
+
+def test_an_address_where_nothing_listens_is_one_line_naming_the_field():
+  port = _closed_port()
+  msg = _error(f"rl.ray_address=127.0.0.1:{port}")
+  assert msg.startswith(f"rl.ray_address='127.0.0.1:{port}': nothing answers at 127.0.0.1:{port}")
+  assert f"ray start --head --port {port}" in msg and "leave rl.ray_address empty" in msg
+  assert "client server listens on 10001" in _error(f"rl.ray_address=ray://127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("addr", ["http://head:8265", "head", "head:port", "head:0", "head:70000", ":6379",
+                                  "ray://head"])
+def test_what_is_not_a_ray_address_says_which_forms_are(addr):
+  assert _error(f"rl.ray_address={addr}") == (
+      f"rl.ray_address={addr!r} is not a Ray address: give 'auto', 'host:port' (the head's GCS port, "
+      "6379 by default) or 'ray://host:port'")
+
+
+def test_auto_needs_a_cluster_started_on_this_machine(tmp_path, listening, monkeypatch):
+  assert "finds no Ray cluster started on this machine" in _error("rl.ray_address=auto")
+  monkeypatch.setattr(preflight, "_gcs_running", lambda: True)  # Ray's fallback finds a running head
+  _check("rl.ray_address=auto")
+  monkeypatch.setattr(preflight, "_gcs_running", lambda: False)
+  (tmp_path / "raytmp" / "ray").mkdir(parents=True)
+  record = tmp_path / "raytmp" / "ray" / "ray_current_cluster"
+  record.write_text(listening + "\n")  # what `ray start --head` records
+  _check("rl.ray_address=auto")
+  record.write_text(f"127.0.0.1:{_closed_port()}")  # a head that has stopped
+  assert "nothing answers" in _error("rl.ray_address=auto")
+
+
+def test_ray_address_in_the_environment_is_the_address_ray_joins(monkeypatch, listening):
+  port = _closed_port()
+  monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+  msg = _error()
+  assert msg.startswith(f"RAY_ADDRESS='127.0.0.1:{port}': nothing answers")
+  assert "unset RAY_ADDRESS" in msg
+  assert _error(f"rl.ray_address={listening}").startswith(f"rl.ray_address={listening!r} but RAY_ADDRESS=")
+  monkeypatch.setenv("RAY_ADDRESS", listening)
+  _check()
+  assert preflight.ray_address(load_config(None, []).rl) == listening
+
+
+def test_the_orchestrator_joins_ray_address_from_the_environment(monkeypatch, listening):
+  """With RAY_ADDRESS set, ray.init joins it whatever it is passed, and then it refuses num_cpus and
+  a store size: the orchestrator passes neither and pins nothing."""
+  pytest.importorskip("ray")
+  import ray
+
+  from composer_jax.rl import orchestrator
+  seen = {}
+
+  class Stop(Exception):
+    pass
+
+  def fake_init(**kw):
+    seen.update(kw)
+    raise Stop
+
+  monkeypatch.setattr(ray, "is_initialized", lambda: False)
+  monkeypatch.setattr(ray, "init", fake_init)
+  monkeypatch.setenv("RAY_ADDRESS", listening)
+  with pytest.raises(Stop):
+    orchestrator.Orchestrator(load_config(None, ["rl.object_store_mb=256"]), "", log=lambda m: None)
+  assert seen["address"] == listening and "num_cpus" not in seen and "object_store_memory" not in seen
+  monkeypatch.delenv("RAY_ADDRESS")
+  with pytest.raises(Stop):
+    orchestrator.Orchestrator(load_config(None, ["rl.object_store_mb=256"]), "", log=lambda m: None)
+  assert seen["address"] is None and seen["object_store_memory"] == 256 << 20
+
+
+def test_a_store_larger_than_memory_allows_and_cores_the_learner_needs_are_refused(monkeypatch):
+  monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 1000 << 20)
+  _check("rl.object_store_mb=500")
+  assert _error("rl.object_store_mb=501") == (
+      "rl.object_store_mb=501 preallocates more than 50% of the 1000 MiB of memory available here: give "
+      "at most 500, or 0 for Ray's default (sized and filled lazily)")
+  _check("rl.object_store_mb=0")
+  cores = len(os.sched_getaffinity(0))
+  assert _error(f"rl.worker_cpus={cores}") == (
+      f"rl.worker_cpus={cores} leaves the learner no core: this process may run on {cores}; give at "
+      f"most {cores - 1}, or 0 for no pinning")
+  if cores > 1:
+    _check(f"rl.worker_cpus={cores - 1}")
+  _check(f"rl.worker_cpus={cores}", "rl.object_store_mb=100000", "rl.async=false")  # no Ray at all
+  # Joining a cluster, neither is this machine's business.
+  monkeypatch.setattr(preflight, "_check_cluster", lambda *a: None)
+  _check("rl.ray_address=head:6379", f"rl.worker_cpus={cores}", "rl.object_store_mb=100000")
+
+
+def test_available_memory_is_meminfo_lowered_to_the_cgroup_limit(monkeypatch):
+  with open("/proc/meminfo") as f:
+    fields = dict(ln.split(":", 1) for ln in f)
+  meminfo = int(fields["MemAvailable"].split()[0]) * 1024
+  got = preflight.available_memory_bytes()
+  assert 0 < got <= meminfo * 1.05  # MemAvailable moves between the two reads
+  monkeypatch.setattr(preflight, "_cgroup_left", lambda: 123 << 20)
+  assert preflight.available_memory_bytes() == 123 << 20
+
+
+def test_cgroup_limit_is_read_from_v2_and_v1_layouts(monkeypatch, tmp_path):
+  real_open = open
+
+  def fake_files(files):
+    def fake_open(path, *a, **kw):
+      path = str(path)
+      if path in files:
+        import io
+        return io.StringIO(files[path])
+      if path.startswith("/proc/self/cgroup") or path.startswith("/sys/fs/cgroup"):
+        raise FileNotFoundError(path)
+      return real_open(path, *a, **kw)
+    monkeypatch.setattr("builtins.open", fake_open)
+
+  fake_files({"/proc/self/cgroup": "0::/job\n", "/sys/fs/cgroup/job/memory.max": "1000\n",
+              "/sys/fs/cgroup/job/memory.current": "400\n"})
+  assert preflight._cgroup_left() == 600
+  # A container: the recorded path is the host's, the limit sits at the mount's root.
+  fake_files({"/proc/self/cgroup": "4:memory:/docker/abc\n0::/\n",
+              "/sys/fs/cgroup/memory/memory.limit_in_bytes": "2000\n",
+              "/sys/fs/cgroup/memory/memory.usage_in_bytes": "500\n"})
+  assert preflight._cgroup_left() == 1500
+  fake_files({"/proc/self/cgroup": "4:memory:/\n", "/sys/fs/cgroup/memory/memory.limit_in_bytes":
+              "9223372036854771712\n", "/sys/fs/cgroup/memory/memory.usage_in_bytes": "5\n"})
+  assert preflight._cgroup_left() is None  # v1's "no limit"
+  fake_files({"/proc/self/cgroup": "0::/\n", "/sys/fs/cgroup/memory.max": "max\n",
+              "/sys/fs/cgroup/memory.current": "5\n"})
+  assert preflight._cgroup_left() is None
+
+
+def test_the_main_job_refuses_a_dead_address_before_it_writes_anything(tmp_path, capsys):
+  out = tmp_path / "run"
+  port = _closed_port()
+  assert cli.main(["run", "configs/tiny.yaml", "--out", str(out), f"rl.ray_address=127.0.0.1:{port}"]) == 2
+  assert not out.exists()
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and f"rl.ray_address='127.0.0.1:{port}': nothing answers" in err[0]
+  # The RL stage's own overrides count: a store it would preallocate is checked as it would run.
+  assert cli.main(["run", "configs/tiny.yaml", "--out", str(out), "run.rl_overrides=[rl.worker_cpus=999]"]) == 2
+  assert not out.exists() and "rl.worker_cpus=999" in capsys.readouterr().err
