@@ -70,9 +70,10 @@ def count(suites: dict[str, list[str]]) -> dict:
       row["probed_functions"] += len({p.test for p in found})
       row["probes"] += len(found)
       for p in found:
-        how = getattr(p, "how", ("==",))[0]
-        kind = "column" if getattr(p, "arg", None) else {"is": "identity", "array": "numpy",
-                                                          "close": "numpy"}.get(how, "literal")
+        how = getattr(p, "how", ("==",))
+        kind = "column" if getattr(p, "arg", None) else "truth" if how[1:] == ("truth",) else {
+            "is": "identity", "array": "numpy", "close": "numpy", "np_equal": "numpy",
+            "np_almost": "numpy", "array_almost": "numpy"}.get(how[0], "literal")
         row["by_kind"][kind] = row["by_kind"].get(kind, 0) + 1
     out[name] = row
   return out

@@ -6,8 +6,9 @@ decorator, a module-level case list or the test class's decorator), or a name bo
 literal (a local, or a module constant that only the tests compare with). A name is hidden only
 when every use of it is the expected side of a comparison, so the rewritten file computes what the
 original did and only the expected values leave it. The checks are ``==``, ``is`` against ``None``,
-``True`` or ``False``, numpy.testing's array checks, ``pytest.approx`` and ``assertAlmostEqual``; a
-probe's ``how`` names its check, and the host redoes it (``probes._holds``).
+``True`` or ``False``, ``assertTrue`` / ``assertFalse``, numpy.testing's checks, ``pytest.approx``
+and ``assertAlmostEqual``; a probe's ``how`` names its check, and the host redoes it
+(``probes._holds``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class Probe:
   rows: tuple = ()  # ... whose literal in row k of its decorator is rows[k]
   how: tuple = ("==",)  # the check: "==", "is" (the type must match too), "array"
   #   (``assert_array_equal``), ("close", rtol, atol, equal_nan) (``assert_allclose``),
-  #   ("approx", rel, abs, nan_ok) (``== pytest.approx(...)``), ("almost", places, delta)
+  #   ("approx", rel, abs, nan_ok) (``== pytest.approx(...)``), ("almost", places, delta),
+  #   ("np_equal",), ("np_almost", decimal), ("array_almost", decimal) (numpy.testing's)
 
   def want_at(self, indices: dict[str, int]):
     """The expected value in the test instance whose parametrize rows are ``indices``
@@ -60,7 +62,10 @@ def _singleton(node: ast.AST) -> bool:
 _CLOSE = ("rtol", "atol", "equal_nan", "err_msg", "verbose")  # assert_allclose's after the two
 
 
-_NUMPY_CHECKS = ("assert_array_equal", "assert_allclose")
+_NUMPY_CHECKS = ("assert_array_equal", "assert_allclose", "assert_equal", "assert_almost_equal",
+                 "assert_array_almost_equal")
+# numpy.testing's checks with a ``decimal``: the name, its default and how the host names it.
+_DECIMAL = {"assert_almost_equal": (7, "np_almost"), "assert_array_almost_equal": (6, "array_almost")}
 
 
 def _dotted(node: ast.AST) -> str | None:
@@ -102,8 +107,10 @@ def mark_checks(tree: ast.Module) -> None:
 
 
 def _numpy_check(call: ast.Call) -> tuple | None:
-  """The ``how`` of ``numpy.testing.assert_array_equal(A, B)`` ("array") or
-  ``assert_allclose(A, B[, rtol, atol, equal_nan])`` (with literal tolerances); None for another
+  """The ``how`` of ``numpy.testing.assert_array_equal(A, B)`` ("array"),
+  ``assert_allclose(A, B[, rtol, atol, equal_nan])``, ``assert_equal`` ("np_equal"),
+  ``assert_almost_equal`` and ``assert_array_almost_equal`` (with their ``decimal``), all with
+  literal options; None for another
   call, or one whose options change what passes in a way the host cannot redo (``strict=``)."""
   name, n = getattr(call, "cj_check", None), len(call.args)
   if name == "assert_array_equal" and n >= 2:
@@ -112,6 +119,13 @@ def _numpy_check(call: ast.Call) -> tuple | None:
   if name == "assert_allclose" and n >= 2:
     opts = _literal_options(call, _CLOSE, {"rtol": 1e-7, "atol": 0, "equal_nan": True}, 2)
     return None if opts is None else ("close", opts["rtol"], opts["atol"], opts["equal_nan"])
+  if name == "assert_equal" and n >= 2:  # numpy's: recursive, NaN equal to NaN
+    opts = _literal_options(call, ("err_msg", "verbose"), {}, 2)
+    return None if opts is None else ("np_equal",)
+  if name in _DECIMAL and n >= 2:
+    default, how = _DECIMAL[name]
+    opts = _literal_options(call, ("decimal", "err_msg", "verbose"), {"decimal": default}, 2)
+    return None if opts is None else (how, opts["decimal"])
   return None
 
 
@@ -140,9 +154,11 @@ def _approx(node: ast.AST) -> tuple[ast.AST, tuple] | None:
 def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST, tuple] | None:
   """(A, B, how) of ``assert A == B``, ``self.assertEqual(A, B[, msg])``, the identity checks
   against ``None``, ``True`` or ``False`` (``assert A is None``, ``assertIs(A, True)``,
-  ``assertIsNone(A)``: "is", as only that very value passes them), ``A == pytest.approx(B)``,
-  unittest's ``assertAlmostEqual``, and ``numpy.testing``'s ``assert_array_equal`` and
-  ``assert_allclose`` (``_numpy_check``); else None."""
+  ``assertIsNone(A)``: "is", as only that very value passes them), ``assertTrue(A)`` and
+  ``assertFalse(A)`` ("truth": A's truth against True or False), ``A == pytest.approx(B)``,
+  unittest's ``assertAlmostEqual``, and ``numpy.testing``'s ``assert_array_equal``,
+  ``assert_allclose``, ``assert_equal``, ``assert_almost_equal`` and ``assert_array_almost_equal``
+  (``_numpy_check``); else None."""
   if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare):
     cmp = node.test
     a, b = cmp.left, cmp.comparators[0]
@@ -170,6 +186,8 @@ def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST, tuple] | None:
       return call.args[0], call.args[1], ("is",)
     if name == "assertIsNone" and 1 <= n <= 2:
       return call.args[0], ast.Constant(None), ("is",)
+    if name in ("assertTrue", "assertFalse") and 1 <= n <= 2:  # the probe records ``not not A``
+      return call.args[0], ast.Constant(name == "assertTrue"), ("truth",)
   return None
 
 
@@ -460,6 +478,8 @@ def rewrite(text: str, file: str) -> tuple[str, list[Probe]] | None:
       src = ast.get_source_segment(text, expr)
       if src is None:
         continue
+      if how == ("truth",):  # assertTrue(A): A's truth, as the test took it (plain data whatever A is)
+        src, how = f"not not ({src})", ("is", "truth")
       i = sum(p.test == f"{file}::{name}" for p in probes)
       pad = "\n" * ((stmt.end_lineno - stmt.lineno) - (expr.end_lineno - expr.lineno))
       edits.append((at(stmt.lineno, stmt.col_offset), at(stmt.end_lineno, stmt.end_col_offset),

@@ -228,6 +228,12 @@ def _holds(how: tuple, got, want) -> bool:
       with np.errstate(all="ignore"):
         if how[0] == "array":
           np.testing.assert_array_equal(got, want)
+        elif how[0] == "np_equal":
+          np.testing.assert_equal(got, want)
+        elif how[0] == "np_almost":
+          np.testing.assert_almost_equal(got, want, decimal=how[1])
+        elif how[0] == "array_almost":
+          np.testing.assert_array_almost_equal(got, want, decimal=how[1])
         else:
           np.testing.assert_allclose(got, want, rtol=how[1], atol=how[2], equal_nan=how[3])
   except Exception:  # noqa: BLE001 -- the check failed, or data it cannot compare: not right

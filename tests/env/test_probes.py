@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from composer_jax.env import probe_rewrite, probes
+from tests.env.probe_runs import MOD_RIGHT, MOD_WRONG, against_original, run_pytest
 
 SRC = '''import unittest
 
@@ -63,19 +64,6 @@ class TestUnit(unittest.TestCase):
     def test_after(self):
         raise ValueError("line kept")
 '''
-
-MOD_RIGHT = '''def f(x):
-    return [5] if x == 4 else x + 1
-
-
-def g(s):
-    return s + "!"
-
-
-def h():
-    return {"b": b"x", "a": (1, 2.5)}
-'''
-MOD_WRONG = MOD_RIGHT.replace("x + 1", "x + 2")
 
 
 def _rewritten():
@@ -214,46 +202,29 @@ def test_list_argnames_and_a_single_name_column_are_probed_too():
   assert "[[1, (0)], (2, (1))], ids=['cj0', 'cj1'])" in text
   assert "[(0), (1)], ids=['cj0', 'cj1'])" in text and "-7" not in text
 
-def _pytest(tmp_path, test_text, module_text, *args):
-  """Run ``test_text`` as t.py over ``module_text`` with the probe plugin: (outcomes from the
-  junit report by node id, the plugin's Run)."""
-  from composer_jax.env.grading import read_junit
-  (tmp_path / "t.py").write_text(test_text)
-  (tmp_path / "mod.py").write_text(module_text)
-  rep = tmp_path / "rep"
-  rep.mkdir(exist_ok=True)
-  (rep / "cj_probe_plugin.py").write_text(probes.plugin_source(str(rep / "values.json")))
-  env = {**os.environ, "PYTHONPATH": f"{rep}{os.pathsep}{tmp_path}"}
-  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                      "-o", "junit_family=xunit1", f"--junitxml={rep / 'junit.xml'}", "-p",
-                      "cj_probe_plugin", *args, "t.py"], cwd=tmp_path, env=env, capture_output=True,
-                     text=True, timeout=120)
-  assert r.returncode in (0, 1), r.stdout + r.stderr
-  return read_junit(str(rep / "junit.xml")) or {}, probes.read_run(str(rep / "values.json"))
-
 
 def test_parametrized_probes_are_right_exactly_where_the_original_instances_pass(tmp_path):
   """The independent reference is the original file run as written under pytest: with the right
   module as the reference and the wrong one as the agent, the verdict names exactly the checked
   instances whose original fails. The rewritten run's node ids carry none of the hidden values."""
   text, found = probe_rewrite.rewrite(PARAM_SRC, "t.py")
-  _, collected = _pytest(tmp_path, PARAM_SRC, MOD_RIGHT, "--collect-only")
+  _, collected = run_pytest(tmp_path, PARAM_SRC, MOD_RIGHT, "--collect-only")
   f2p = sorted(collected.items)
   assert "t.py::test_f[5-two]" in f2p and "t.py::test_g[second]" in f2p and len(f2p) == 12
   params = {n: collected.items[n] for n in f2p}
   assert params["t.py::test_f[5-two]"] == {"k": 1, "x": 2, "want": 2}  # rows, not pytest's indices
-  ref_out, ref_run = _pytest(tmp_path, text, MOD_RIGHT)
+  ref_out, ref_run = run_pytest(tmp_path, text, MOD_RIGHT)
   assert all("cj" in n for n in ref_run.items if "test_f" in n or "test_g" in n)
   assert not any(v in n for n in ref_run.items for v in ("two", "first", "a!", "-2]"))
   checked = probes.sound(found, f2p, *probes.by_test(f2p, params, ref_out, ref_run), params)
   assert sorted(checked) == [n for n in f2p if "test_f" in n or "test_g" in n]  # 6 + 2 instances
 
-  original_wrong, _ = _pytest(tmp_path, PARAM_SRC, MOD_WRONG)
+  original_wrong, _ = run_pytest(tmp_path, PARAM_SRC, MOD_WRONG)
   failing = {n for n, o in original_wrong.items() if o != "passed"}
   assert failing == {"t.py::test_f[0-1-2]", "t.py::test_f[5-1-2]", "t.py::test_f[0-two]",
                      "t.py::test_f[5-two]", "t.py::test_reused[2]", "t.py::test_not_all_literals[2_0]",
                      "t.py::test_not_all_literals[2_1]"}
-  out, run = _pytest(tmp_path, text, MOD_WRONG)
+  out, run = run_pytest(tmp_path, text, MOD_WRONG)
   wrong = probes.verdict(found, checked, *probes.by_test(list(checked), params, out, run), params)
   assert sorted(wrong) == sorted(failing & set(checked)) and len(wrong) == 4
   assert probes.verdict(found, checked, *probes.by_test(list(checked), params, ref_out, ref_run), params) == []
@@ -262,20 +233,6 @@ def test_parametrized_probes_are_right_exactly_where_the_original_instances_pass
   assert probes.verdict(found, checked, *probes.by_test(list(checked), params, out, scrambled), params)
 
 
-
-def _against_original(tmp_path, src, text, found, keep, right=MOD_RIGHT, wrong=MOD_WRONG):
-  """The rows learned from collecting ``src``; the right module as the reference and the wrong one
-  as the agent on the rewritten ``text``: (the F2P ids ``keep`` picks, the reference's ``sound``
-  checks, the verdict, the ids whose original fails under pytest with the wrong module)."""
-  _, collected = _pytest(tmp_path, src, right, "--collect-only")
-  f2p = sorted(n for n in collected.items if keep(n))
-  params = {n: collected.items[n] for n in f2p}
-  ref_out, ref_run = _pytest(tmp_path, text, right)
-  checked = probes.sound(found, f2p, *probes.by_test(f2p, params, ref_out, ref_run), params)
-  original_wrong, _ = _pytest(tmp_path, src, wrong)
-  out, run = _pytest(tmp_path, text, wrong)
-  wrong = probes.verdict(found, checked, *probes.by_test(f2p, params, out, run), params)
-  return f2p, checked, sorted(wrong), sorted(n for n in f2p if original_wrong[n] != "passed")
 
 
 CASES_SRC = """import pytest
@@ -314,7 +271,7 @@ def test_a_module_level_case_list_read_by_one_decorator_is_probed_in_place(tmp_p
   assert "(1, (0)),\n    (3, (1)),\n    (4, (2))," in text and "[5]" not in text
   assert "CASES, ids=['cj0', 'cj1', 'cj2'])" in text and "SHARED = [(1, 2)]" in text
   assert text[text.index("def test_shared_a"):] == CASES_SRC[CASES_SRC.index("def test_shared_a"):]
-  f2p, checked, wrong, failing = _against_original(tmp_path, CASES_SRC, text, found,
+  f2p, checked, wrong, failing = against_original(tmp_path, CASES_SRC, text, found,
                                                    lambda n: "test_cases" in n)
   assert sorted(checked) == f2p and len(f2p) == 3
   assert wrong == failing == ["t.py::test_cases[1-2]", "t.py::test_cases[3-4]"]
@@ -354,7 +311,7 @@ def test_a_class_level_parametrize_column_is_probed_in_every_method(tmp_path):
   assert "[(1, (0)), (4, (1))], ids=['cj0', 'cj1'])" in text and "[5]" not in text
   assert text[text.index("@pytest.mark.parametrize(\"want\""):] == CLASS_SRC[
       CLASS_SRC.index("@pytest.mark.parametrize(\"want\""):]
-  f2p, checked, wrong, failing = _against_original(tmp_path, CLASS_SRC, text, found,
+  f2p, checked, wrong, failing = against_original(tmp_path, CLASS_SRC, text, found,
                                                    lambda n: "TestF" in n)
   assert sorted(checked) == f2p and len(f2p) == 6
   assert wrong == failing and len(wrong) == 3 and all("1-2" in n for n in wrong)
@@ -414,7 +371,7 @@ def test_a_local_bound_once_to_a_literal_is_an_expected_value_too(tmp_path):
     assert lit not in text, lit
   assert "expected = 11\n    assert mod.f(10) == expected\n" in text
   assert text[text.index("def test_rebound"):] == LOCALS_SRC[LOCALS_SRC.index("def test_rebound"):]
-  f2p, checked, wrong, failing = _against_original(tmp_path, LOCALS_SRC, text, found, lambda n: True)
+  f2p, checked, wrong, failing = against_original(tmp_path, LOCALS_SRC, text, found, lambda n: True)
   assert sorted(checked) == sorted(p.test for p in found)
   assert wrong == sorted(set(failing) & set(checked)) == [
       "t.py::test_annotated_over_lines", "t.py::test_loop", "t.py::test_used_elsewhere"]
@@ -467,175 +424,14 @@ def test_a_module_constant_only_compared_with_in_tests_is_an_expected_value_too(
       ("t.py::TestC::test_in_a_class", 7), ("t.py::test_shadowed", 3)]
   assert "[5]" not in text and "SEVEN: int = (None)" in text and "7" not in text
   assert "USED = 11" in text and "SHADOWED = 2" in text and "SHADOWED = (None)" in text
-  f2p, checked, wrong, failing = _against_original(tmp_path, MODULE_SRC, text, found,
+  f2p, checked, wrong, failing = against_original(tmp_path, MODULE_SRC, text, found,
                                                    lambda n: "helper" not in n)
   assert sorted(checked) == sorted(p.test for p in found)
   assert wrong == sorted(set(failing) & set(checked)) == [
       "t.py::TestC::test_in_a_class", "t.py::test_shadowed", "t.py::test_two_tests_one_constant"]
-  original_right, _ = _pytest(tmp_path, MODULE_SRC, MOD_RIGHT)
+  original_right, _ = run_pytest(tmp_path, MODULE_SRC, MOD_RIGHT)
   assert set(original_right.values()) == {"passed"}
 
-
-IS_SRC = """import unittest
-
-import mod
-
-
-def test_is_none():
-    assert mod.nothing(0) is None
-
-
-def test_is_true():
-    assert True is mod.yes(1)
-
-
-def test_false_equals_zero():
-    assert mod.yes(0) == 0
-
-
-class TestU(unittest.TestCase):
-    def test_assert_is(self):
-        self.assertIs(mod.yes(0), False)
-
-    def test_assert_is_none(self):
-        self.assertIsNone(mod.nothing(1), "a message")
-
-
-def test_is_not():
-    assert mod.yes(1) is not None
-"""
-IS_RIGHT = "def nothing(x):\n    return None\n\n\ndef yes(x):\n    return bool(x)\n"
-IS_WRONG = "def nothing(x):\n    return 0\n\n\ndef yes(x):\n    return int(bool(x))\n"  # == but not is
-
-
-def test_identity_checks_against_none_true_and_false_are_strict_probes(tmp_path):
-  """``is None``, ``is True``, ``assertIs(E, False)`` and ``assertIsNone(E)`` hold only for that
-  very value: their probes compare the type too, so ``0`` and ``1`` are wrong there, and stay right
-  where the original compares with ``==``. Against the original file under pytest."""
-  text, found = probe_rewrite.rewrite(IS_SRC, "t.py")
-  assert [(p.test, p.want, p.how) for p in found] == [
-      ("t.py::test_is_none", None, ("is",)), ("t.py::test_is_true", True, ("is",)),
-      ("t.py::test_false_equals_zero", 0, ("==",)), ("t.py::TestU::test_assert_is", False, ("is",)),
-      ("t.py::TestU::test_assert_is_none", None, ("is",))]
-  for lit in ("is None\n", "True is", "False)", "assertIsNone"):
-    assert lit not in text, lit
-  f2p, checked, wrong, failing = _against_original(tmp_path, IS_SRC, text, found, lambda n: True,
-                                                   IS_RIGHT, IS_WRONG)
-  assert sorted(checked) == sorted(p.test for p in found)
-  assert wrong == sorted(set(failing) & set(checked)) and len(wrong) == 4
-  assert "t.py::test_false_equals_zero" not in wrong and "t.py::test_is_not" not in checked
-
-
-NUMPY_SRC = """import numpy as np
-import numpy.testing as npt
-from numpy.testing import assert_allclose as close
-
-import mod
-
-
-def assert_allclose(a, b):  # the file's own helper of that name: not numpy's
-    assert abs(a - b) < 0.1
-
-
-def test_array_equal():
-    np.testing.assert_array_equal(mod.arr(3), [0, 1, 2])
-
-
-def test_array_equal_takes_a_tuple():
-    npt.assert_array_equal(mod.pair(), [1, 2], err_msg="pair")
-
-
-def test_allclose_default():
-    close(mod.third(), 0.333333333)
-
-
-def test_allclose_tolerance():
-    np.testing.assert_allclose(mod.third(), 0.33, rtol=0.05)
-
-
-def test_own_helper():
-    assert_allclose(mod.third(), 0.3)
-
-
-def test_literal_first():
-    np.testing.assert_allclose(0.33, mod.third(), 0.05)
-"""
-NUMPY_RIGHT = ("import numpy as np\n\n\ndef arr(n):\n    return np.arange(n)\n\n\n"
-               "def pair():\n    return (1, 2)\n\n\ndef third():\n    return np.float32(1) / 3\n")
-NUMPY_WRONG = NUMPY_RIGHT.replace("np.arange(n)", "np.arange(n) + 1").replace("np.float32(1) / 3", "0.34")
-
-
-def test_numpy_testing_checks_are_probed_with_their_own_tolerances(tmp_path):
-  """``numpy.testing.assert_array_equal`` and ``assert_allclose``, as the file's imports spell
-  them, are probed; the host redoes numpy's own check on the recorded plain data with the test's
-  tolerances. A same-named helper of the file's own, and an allclose with the literal first, stay.
-  Against the original file under pytest: 0.34 is wrong at rtol 1e-7 and right at rtol 0.05."""
-  text, found = probe_rewrite.rewrite(NUMPY_SRC, "t.py")
-  assert [(p.test, p.want, p.how) for p in found] == [
-      ("t.py::test_array_equal", [0, 1, 2], ("array",)),
-      ("t.py::test_array_equal_takes_a_tuple", [1, 2], ("array",)),
-      ("t.py::test_allclose_default", 0.333333333, ("close", 1e-7, 0, True)),
-      ("t.py::test_allclose_tolerance", 0.33, ("close", 0.05, 0, True))]
-  for lit in ("[0, 1, 2]", "0.333333333", "mod.third(), 0.33"):
-    assert lit not in text, lit
-  f2p, checked, wrong, failing = _against_original(tmp_path, NUMPY_SRC, text, found, lambda n: True,
-                                                   NUMPY_RIGHT, NUMPY_WRONG)
-  assert sorted(checked) == sorted(p.test for p in found)
-  assert wrong == sorted(set(failing) & set(checked)) == [
-      "t.py::test_allclose_default", "t.py::test_array_equal"]
-
-
-APPROX_SRC = """import unittest
-
-import pytest
-from pytest import approx as near
-
-import mod
-
-
-def test_approx():
-    assert mod.third() == pytest.approx(0.3333333)
-
-
-def test_approx_first_and_loose():
-    assert near(0.33, rel=0.05) == mod.third()
-
-
-def test_approx_tuple():
-    assert mod.pair() == pytest.approx((1.0, 2.0))
-
-
-def test_approx_of_a_name():
-    assert mod.third() == pytest.approx(mod.third())
-
-
-class TestA(unittest.TestCase):
-    def test_almost(self):
-        self.assertAlmostEqual(mod.third(), 0.3333333, places=6)
-
-    def test_almost_delta(self):
-        self.assertAlmostEqual(mod.third(), 0.3, delta=0.05)
-"""
-
-
-def test_approx_and_assert_almost_equal_are_probed_with_their_own_tolerances(tmp_path):
-  """``E == pytest.approx(LITERAL[, rel, abs])`` (as the imports spell it) and unittest's
-  ``assertAlmostEqual(E, LITERAL[, places, delta])`` are probed, and the host redoes the same
-  check with the same tolerances. Against the original file under pytest, with the float32 and
-  0.34 modules of the numpy test: 0.34 is wrong at the default tolerances, right at loose ones."""
-  text, found = probe_rewrite.rewrite(APPROX_SRC, "t.py")
-  assert [(p.test, p.want, p.how) for p in found] == [
-      ("t.py::test_approx", 0.3333333, ("approx", None, None, False)),
-      ("t.py::test_approx_first_and_loose", 0.33, ("approx", 0.05, None, False)),
-      ("t.py::test_approx_tuple", (1.0, 2.0), ("approx", None, None, False)),
-      ("t.py::TestA::test_almost", 0.3333333, ("almost", 6, None)),
-      ("t.py::TestA::test_almost_delta", 0.3, ("almost", None, 0.05))]
-  for lit in ("0.3333333", "0.33", "(1.0, 2.0)", "0.3,"):
-    assert lit not in text, lit
-  f2p, checked, wrong, failing = _against_original(tmp_path, APPROX_SRC, text, found, lambda n: True,
-                                                   NUMPY_RIGHT, NUMPY_WRONG)
-  assert sorted(checked) == sorted(p.test for p in found)
-  assert wrong == sorted(set(failing) & set(checked)) == ["t.py::TestA::test_almost", "t.py::test_approx"]
 
 Point = collections.namedtuple("Point", "x y")
 
