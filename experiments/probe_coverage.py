@@ -73,7 +73,7 @@ def count(suites: dict[str, list[str]]) -> dict:
         how = getattr(p, "how", ("==",))
         kind = "column" if getattr(p, "arg", None) else "truth" if how[1:] == ("truth",) else {
             "is": "identity", "array": "numpy", "close": "numpy", "np_equal": "numpy",
-            "np_almost": "numpy", "array_almost": "numpy"}.get(how[0], "literal")
+            "np_almost": "numpy", "array_almost": "numpy", "op": "operator"}.get(how[0], "literal")
         row["by_kind"][kind] = row["by_kind"].get(kind, 0) + 1
     out[name] = row
   return out
@@ -103,7 +103,7 @@ def _share(row: dict) -> float:
 
 def main() -> None:
   ap = argparse.ArgumentParser()
-  ap.add_argument("--baseline", default="855c7ea", help="the commit to compare with (stop 58's)")
+  ap.add_argument("--baseline", default="e45d4da", help="the commit to compare with (stop 59's)")
   ap.add_argument("--packages", default=PACKAGES)
   ap.add_argument("--count", help=argparse.SUPPRESS)  # internal: count the suites in this file
   args = ap.parse_args()

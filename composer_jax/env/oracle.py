@@ -187,8 +187,13 @@ def decode(x, depth: int = 0):
   return _Other()
 
 
+def is_plain(got) -> bool:
+  """``got`` was plain data in the sandbox (not ``decode``'s stand-in for anything else)."""
+  return not isinstance(got, _Other)
+
+
 def matches(got, e: Expected) -> bool:
-  if isinstance(got, _Other):
+  if not is_plain(got):
     return False
   if e.strict and type(got) is not type(e.want):
     return False

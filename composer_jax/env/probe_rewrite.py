@@ -6,8 +6,8 @@ decorator, a module-level case list or the test class's decorator), or a name bo
 literal (a local, or a module constant that only the tests compare with). A name is hidden only
 when every use of it is the expected side of a comparison, so the rewritten file computes what the
 original did and only the expected values leave it. The checks are ``==``, ``is`` against ``None``,
-``True`` or ``False``, ``assertTrue`` / ``assertFalse``, numpy.testing's checks, ``pytest.approx``
-and ``assertAlmostEqual``; a probe's ``how`` names its check, and the host redoes it
+``True`` or ``False``, the other comparison operators (``!=``, ``<``, ``in``, ...), ``assertTrue`` /
+``assertFalse``, numpy.testing's checks, ``pytest.approx`` and ``assertAlmostEqual``; a probe's ``how`` names its check, and the host redoes it
 (``probes._holds``).
 """
 
@@ -31,7 +31,8 @@ class Probe:
   how: tuple = ("==",)  # the check: "==", "is" (the type must match too), "array"
   #   (``assert_array_equal``), ("close", rtol, atol, equal_nan) (``assert_allclose``),
   #   ("approx", rel, abs, nan_ok) (``== pytest.approx(...)``), ("almost", places, delta),
-  #   ("np_equal",), ("np_almost", decimal), ("array_almost", decimal) (numpy.testing's)
+  #   ("np_equal",), ("np_almost", decimal), ("array_almost", decimal) (numpy.testing's),
+  #   ("op", OP, side) (``assert E < 3``: side "right"; ``assert 3 in E``: "left", the literal first)
 
   def want_at(self, indices: dict[str, int]):
     """The expected value in the test instance whose parametrize rows are ``indices``
@@ -66,6 +67,12 @@ _NUMPY_CHECKS = ("assert_array_equal", "assert_allclose", "assert_equal", "asser
                  "assert_array_almost_equal")
 # numpy.testing's checks with a ``decimal``: the name, its default and how the host names it.
 _DECIMAL = {"assert_almost_equal": (7, "np_almost"), "assert_array_almost_equal": (6, "array_almost")}
+
+
+# ``assert A OP B`` for these operators: the host redoes OP (``probes._holds``) with the expected
+# literal on the side it was on.
+_OPS = {ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.In: "in",
+        ast.NotIn: "not in", ast.IsNot: "is not"}
 
 
 def _dotted(node: ast.AST) -> str | None:
@@ -155,7 +162,8 @@ def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST, tuple] | None:
   """(A, B, how) of ``assert A == B``, ``self.assertEqual(A, B[, msg])``, the identity checks
   against ``None``, ``True`` or ``False`` (``assert A is None``, ``assertIs(A, True)``,
   ``assertIsNone(A)``: "is", as only that very value passes them), ``assertTrue(A)`` and
-  ``assertFalse(A)`` ("truth": A's truth against True or False), ``A == pytest.approx(B)``,
+  ``assertFalse(A)`` ("truth": A's truth against True or False), ``assert A OP B`` for the
+  other comparison operators (``!=``, ``<``, ``in``, ``is not``, ...: "op"), ``A == pytest.approx(B)``,
   unittest's ``assertAlmostEqual``, and ``numpy.testing``'s ``assert_array_equal``,
   ``assert_allclose``, ``assert_equal``, ``assert_almost_equal`` and ``assert_array_almost_equal``
   (``_numpy_check``); else None."""
@@ -170,6 +178,9 @@ def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST, tuple] | None:
       return a, b, ("==",)
     if len(cmp.ops) == 1 and isinstance(cmp.ops[0], ast.Is) and (_singleton(a) or _singleton(b)):
       return a, b, ("is",)
+    if len(cmp.ops) == 1 and type(cmp.ops[0]) in _OPS and (
+        not isinstance(cmp.ops[0], ast.IsNot) or _singleton(a) or _singleton(b)):
+      return a, b, ("op", _OPS[type(cmp.ops[0])])  # _split adds the literal's side
   if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
     call, n = node.value, len(node.value.args)
     how = _numpy_check(call)
@@ -208,9 +219,9 @@ def _split(node: ast.AST, params=frozenset()) -> tuple[ast.AST, object, ast.AST,
     return _value(side)
   va, vb = expected(a), expected(b)
   if vb is not _NOT and va is _NOT:
-    return a, vb, b, how
+    return a, vb, b, how + ("right",) if how[0] == "op" else how
   if va is not _NOT and vb is _NOT and how[0] != "close":
-    return b, va, a, how
+    return b, va, a, how + ("left",) if how[0] == "op" else how
   return None
 
 

@@ -46,14 +46,15 @@ def test_identity_checks_against_none_true_and_false_are_strict_probes(tmp_path)
   assert [(p.test, p.want, p.how) for p in found] == [
       ("t.py::test_is_none", None, ("is",)), ("t.py::test_is_true", True, ("is",)),
       ("t.py::test_false_equals_zero", 0, ("==",)), ("t.py::TestU::test_assert_is", False, ("is",)),
-      ("t.py::TestU::test_assert_is_none", None, ("is",))]
+      ("t.py::TestU::test_assert_is_none", None, ("is",)),
+      ("t.py::test_is_not", None, ("op", "is not", "right"))]
   for lit in ("is None\n", "True is", "False)", "assertIsNone"):
     assert lit not in text, lit
   f2p, checked, wrong, failing = against_original(tmp_path, IS_SRC, text, found, lambda n: True,
                                                    IS_RIGHT, IS_WRONG)
   assert sorted(checked) == sorted(p.test for p in found)
   assert wrong == sorted(set(failing) & set(checked)) and len(wrong) == 4
-  assert "t.py::test_false_equals_zero" not in wrong and "t.py::test_is_not" not in checked
+  assert "t.py::test_false_equals_zero" not in wrong and "t.py::test_is_not" not in wrong
 
 
 NUMPY_SRC = """import numpy as np
@@ -260,3 +261,57 @@ def test_numpy_equal_and_almost_equal_are_probed_with_their_decimal(tmp_path):
   assert wrong == sorted(set(failing) & set(checked)) == [
       "t.py::test_almost_default", "t.py::test_array_almost", "t.py::test_equal", "t.py::test_equal_nested"]
   assert "t.py::test_strict" in failing and "t.py::test_strict" not in checked
+
+
+OPS_SRC = """import mod
+
+
+def test_not_equal():
+    assert mod.f(1) != 3
+
+
+def test_less():
+    assert mod.f(1) < 3
+
+
+def test_literal_first():
+    assert 1 <= mod.f(0)
+
+
+def test_in():
+    assert "!" in mod.g("a")
+
+
+def test_key_in_a_dict():
+    assert "a" in mod.h()
+
+
+def test_not_in():
+    assert 4 not in [mod.f(1), mod.f(2)]
+
+
+def test_chained():
+    assert 0 < mod.f(1) < 3
+"""
+
+
+def test_other_comparison_operators_are_probed_with_the_literal_on_its_side(tmp_path):
+  """``assert E OP LITERAL`` and ``assert LITERAL OP E`` for ``!=``, ``<``, ``<=``, ``in`` and
+  ``not in`` are probed; the host redoes the operator with the literal where it stood (``1 <= E``
+  is not ``E <= 1``; ``"a" in E`` asks E's keys when E is a dict, as it did in the sandbox). A
+  chained comparison stays. Against the original file under pytest with MOD_WRONG (f = x + 2)."""
+  text, found = probe_rewrite.rewrite(OPS_SRC, "t.py")
+  assert [(p.test, p.want, p.how) for p in found] == [
+      ("t.py::test_not_equal", 3, ("op", "!=", "right")), ("t.py::test_less", 3, ("op", "<", "right")),
+      ("t.py::test_literal_first", 1, ("op", "<=", "left")), ("t.py::test_in", "!", ("op", "in", "left")),
+      ("t.py::test_key_in_a_dict", "a", ("op", "in", "left")),
+      ("t.py::test_not_in", 4, ("op", "not in", "left"))]
+  hidden = text[:text.index("def test_chained")]
+  for lit in ("!= 3", "< 3", "1 <=", '"!" in', "4 not in"):
+    assert lit not in hidden, lit
+  assert "assert 0 < mod.f(1) < 3" in text
+  f2p, checked, wrong, failing = against_original(tmp_path, OPS_SRC, text, found, lambda n: True)
+  assert sorted(checked) == sorted(p.test for p in found)
+  # f(1) = 3 and [3, 4] under the wrong module: != 3, < 3 and not in fail; 1 <= f(0) = 2 holds.
+  assert wrong == sorted(set(failing) & set(checked)) == [
+      "t.py::test_less", "t.py::test_not_equal", "t.py::test_not_in"]
