@@ -7,8 +7,8 @@ literal (a local, or a module constant that only the tests compare with). A name
 when every use of it is the expected side of a comparison, so the rewritten file computes what the
 original did and only the expected values leave it. The checks are ``==``, ``is`` against ``None``,
 ``True`` or ``False``, the other comparison operators (``!=``, ``<``, ``in``, ...), ``assertTrue`` /
-``assertFalse``, numpy.testing's checks, ``pytest.approx`` and ``assertAlmostEqual``; a probe's ``how`` names its check, and the host redoes it
-(``probes._holds``).
+``assertFalse``, numpy.testing's checks, ``pytest.approx`` and ``assertAlmostEqual``; a probe's
+``how`` names its check, and the host redoes it (``probes._holds``).
 """
 
 from __future__ import annotations
@@ -117,8 +117,8 @@ def _numpy_check(call: ast.Call) -> tuple | None:
   """The ``how`` of ``numpy.testing.assert_array_equal(A, B)`` ("array"),
   ``assert_allclose(A, B[, rtol, atol, equal_nan])``, ``assert_equal`` ("np_equal"),
   ``assert_almost_equal`` and ``assert_array_almost_equal`` (with their ``decimal``), all with
-  literal options; None for another
-  call, or one whose options change what passes in a way the host cannot redo (``strict=``)."""
+  literal options; None for another call, or one whose options change what passes in a way the
+  host cannot redo (``strict=``)."""
   name, n = getattr(call, "cj_check", None), len(call.args)
   if name == "assert_array_equal" and n >= 2:
     opts = _literal_options(call, ("err_msg", "verbose"), {}, 2)
@@ -163,8 +163,8 @@ def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST, tuple] | None:
   against ``None``, ``True`` or ``False`` (``assert A is None``, ``assertIs(A, True)``,
   ``assertIsNone(A)``: "is", as only that very value passes them), ``assertTrue(A)`` and
   ``assertFalse(A)`` ("truth": A's truth against True or False), ``assert A OP B`` for the
-  other comparison operators (``!=``, ``<``, ``in``, ``is not``, ...: "op"), ``A == pytest.approx(B)``,
-  unittest's ``assertAlmostEqual``, and ``numpy.testing``'s ``assert_array_equal``,
+  other comparison operators (``!=``, ``<``, ``in``, ``is not``, ...: "op"),
+  ``A == pytest.approx(B)``, unittest's ``assertAlmostEqual``, and ``numpy.testing``'s ``assert_array_equal``,
   ``assert_allclose``, ``assert_equal``, ``assert_almost_equal`` and ``assert_array_almost_equal``
   (``_numpy_check``); else None."""
   if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare):
