@@ -81,7 +81,7 @@ def broadcast_ratio(mb: int, n_workers: int, reps: int, warmup: int = 10, store_
       return t1 - t0, t2 - t1, shared / sum(a.nbytes for a in self.rx.arrays)
 
   # The RL run's own local Ray (rl.object_store_mb > 0: a store of that size, preallocated).
-  ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False,
+  ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False,
            **_local_ray(load_config(None, [f"rl.object_store_mb={store_mb}"]).rl))
   try:
     sinks = [Sink.remote() for _ in range(n_workers)]

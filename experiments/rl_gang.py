@@ -96,8 +96,8 @@ def tiny_costs(reps: int) -> dict:
   model = build_model(cfg)
   tree = nnx.split(model, nnx.Param, ...)[1:]
   want = W.wants(names, [v.shape for v in leaves], shardings, devices=set(jax.devices()[:4]))
-  ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, num_cpus=2,
-           object_store_memory=256 * 2**20, _system_config={"preallocate_plasma_memory": True})
+  ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False,
+           num_cpus=2, object_store_memory=256 * 2**20, _system_config={"preallocate_plasma_memory": True})
   out = {}
   try:
     for kind, g, w in (("whole", None, None), ("blocks", grids, want)):

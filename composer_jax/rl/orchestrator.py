@@ -130,7 +130,9 @@ class Orchestrator:
     self.own_ray = not ray.is_initialized()
     joined = ray_address(rl)  # RAY_ADDRESS counts: ray.init joins it whatever it is given
     if self.own_ray:
-      ray.init(address=joined or None, include_dashboard=False, log_to_driver=False,
+      # "local", not None: with no address ray.init joins the last `ray start` on this machine (its
+      # record in /tmp/ray), and then refuses the local num_cpus and store size, 15 min into a main job.
+      ray.init(address=joined or "local", include_dashboard=False, log_to_driver=False,
                configure_logging=False, **({} if joined else _local_ray(rl)))
     self.resources = actor_resources(cfg)
     self.actor_cls = ray.remote(max_restarts=0, concurrency_groups={"weights": 1, "rollouts": 1,

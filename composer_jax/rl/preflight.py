@@ -1,10 +1,11 @@
 """What the asynchronous RL stage needs of the machine, checked before any stage starts.
 
 ``config_check.validate`` checks a config on its own; these checks look at the machine: a Ray
-cluster that answers at ``rl.ray_address``, a preallocated object store that fits in memory, and
-cores left for the learner when ``rl.worker_cpus`` pins the workers. Without them a wrong address or
-an oversized store surfaced as Ray's error (or a minute of retries) when the RL stage began, 15
-minutes into the main job. Each failure is one line naming the field and the fix.
+cluster that answers at ``rl.ray_address`` (as a GCS, of this Ray and Python), a preallocated object
+store that fits in memory, and cores left for the learner when ``rl.worker_cpus`` pins the workers.
+Without them a wrong address or an oversized store surfaced as Ray's error (or a minute of retries)
+when the RL stage began, 15 minutes into the main job. Each failure is one line naming the field and
+the fix.
 """
 
 from __future__ import annotations
@@ -64,6 +65,82 @@ def _check_cluster(addr: str, field: str, own: str, timeout_s: float) -> None:
     raise ConfigError(f"{field}: nothing answers at {host}:{port} ({e.strerror or e}): start the "
                       f"head there ({head}), fix the address, or {own} for a Ray of this job's "
                       f"own") from None
+  if not addr.startswith("ray://"):  # a Ray Client server checks versions itself when it is joined
+    _check_versions(f"{host}:{port}", field, own, timeout_s)
+
+
+def _check_versions(addr: str, field: str, own: str, timeout_s: float) -> None:
+  """The GCS at ``addr`` answers as one and recorded the Ray and Python this process runs: ray.init
+  checks the same, but only after a minute of retries on a port that is not a GCS's."""
+  meta = cluster_metadata(addr, timeout_s)
+  if meta and meta.get("error") == "AuthenticationError":
+    raise ConfigError(f"{field}: the cluster at {addr} refused this process's Ray auth token: put the "
+                      f"cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN, "
+                      f"or {own}")
+  if meta is None or "error" in meta:
+    raise ConfigError(f"{field}: {addr} accepts connections but does not answer as a Ray GCS within "
+                      f"{timeout_s:g} s (the dashboard listens on 8265 and the client server on "
+                      f"10001; the GCS on `ray start --head --port`, 6379 by default): give the GCS "
+                      f"port, or {own} for a Ray of this job's own")
+  if not meta:
+    return  # no record to compare (an old head, or this Ray's client unavailable)
+  ray_v, py_v = _ours()
+  level = os.environ.get("RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL", "patch")  # as ray.init matches
+  py_n = 2 if level == "minor" else 3
+  theirs = meta.get("ray_version"), meta.get("python_version", "")
+  if theirs[0] != ray_v or theirs[1].split(".")[:py_n] != py_v.split(".")[:py_n]:
+    raise ConfigError(f"{field}: the cluster runs Ray {theirs[0]} on Python {theirs[1]}, this "
+                      f"process Ray {ray_v} on Python {py_v}, and Ray joins only the same versions: "
+                      f"install ray=={theirs[0]} under Python {theirs[1]} here, or {own}")
+
+
+def _ours() -> tuple[str, str]:
+  import sys
+
+  import ray
+  return ray.__version__, ".".join(map(str, sys.version_info[:3]))
+
+
+# Run in a child process: Ray's GCS client blocks for a minute of retries on a port that does not
+# speak its protocol, logs from C++ and may end the process (rpc_client.h), so the bounds are its
+# own connect timeouts plus a wall-clock limit.
+_PROBE = """
+import json, sys
+try:
+  from ray._raylet import GcsClient
+except ImportError:  # a Ray without this (private) client: nothing to compare
+  print("{}"); sys.exit(0)
+try:
+  raw = GcsClient(address=sys.argv[1]).internal_kv_get(b"CLUSTER_METADATA", namespace=b"cluster",
+                                                         timeout=float(sys.argv[2]))
+except Exception as e:  # AuthenticationError, or RpcError from a port that is not a GCS's
+  print(json.dumps({"error": type(e).__name__})); sys.exit(0)
+print(raw.decode() if raw else "{}")
+"""
+
+
+def cluster_metadata(addr: str, timeout_s: float) -> dict | None:
+  """What the Ray head at ``addr`` recorded of itself (``ray_version``, ``python_version``, ...);
+  {} when there is no record to read; {"error": NAME} when Ray's client raised NAME; None when
+  ``addr`` does not answer as a GCS."""
+  import json
+  import subprocess
+  import sys
+  t = max(1, round(timeout_s))
+  env = {**os.environ, "RAY_gcs_rpc_server_connect_timeout_s": str(t),
+         "RAY_gcs_rpc_server_reconnect_timeout_s": str(t)}
+  try:
+    out = subprocess.run([sys.executable, "-c", _PROBE, addr, str(timeout_s)], env=env,
+                         capture_output=True, text=True, timeout=4 * timeout_s + 15)
+  except subprocess.TimeoutExpired:
+    return None
+  if out.returncode != 0:
+    return None
+  try:
+    meta = json.loads(out.stdout.strip().splitlines()[-1])
+  except (ValueError, IndexError):
+    return None
+  return meta if isinstance(meta, dict) else None
 
 
 def _host_port(addr: str, field: str) -> tuple[str, int]:

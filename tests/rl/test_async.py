@@ -50,7 +50,8 @@ def test_sized_object_store_is_preallocated_and_serves_weights():
   assert _local_ray(load_config(None, ["rl.num_workers=3"]).rl) == {"num_cpus": 3}
   kw = _local_ray(load_config(None, ["rl.object_store_mb=80"]).rl)
   assert kw["object_store_memory"] == 80 * 2**20 and kw["_system_config"] == {"preallocate_plasma_memory": True}
-  ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, **kw)
+  ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False,
+           **kw)
   try:
     assert ray.available_resources()["object_store_memory"] == pytest.approx(80 * 2**20, rel=0.01)
     a = np.arange(3 * 2**20, dtype=np.float32)
@@ -118,8 +119,8 @@ def _orchestrator(worker_cls, workers: int = 1, version: int = 3, log=lambda m: 
 
   from composer_jax.rl.orchestrator import Orchestrator
   cfg = load_config(None, [f"rl.num_workers={workers}", "rl.async=true"])
-  ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, num_cpus=2,
-           runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
+  ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False,
+           num_cpus=2, runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}})
   try:
     orch = Orchestrator(cfg, "", log=log, worker_cls=worker_cls)
     orch.broadcast({"w": jnp.ones(4)}, version)

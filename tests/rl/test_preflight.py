@@ -16,6 +16,11 @@ def _no_env_address(monkeypatch, tmp_path):
   monkeypatch.delenv("RAY_ADDRESS", raising=False)
   monkeypatch.setenv("RAY_TMPDIR", str(tmp_path / "raytmp"))  # no `ray start` record unless a test writes one
   monkeypatch.setattr(preflight, "_gcs_running", lambda: False)
+  # A listening socket stands in for a head; the GCS probe has tests of its own below.
+  monkeypatch.setattr(preflight, "cluster_metadata", lambda addr, timeout_s: {})
+
+
+_PROBE = preflight.cluster_metadata
 
 
 @pytest.fixture
@@ -120,7 +125,7 @@ def test_the_orchestrator_joins_ray_address_from_the_environment(monkeypatch, li
   monkeypatch.delenv("RAY_ADDRESS")
   with pytest.raises(Stop):
     orchestrator.Orchestrator(load_config(None, ["rl.object_store_mb=256"]), "", log=lambda m: None)
-  assert seen["address"] is None and seen["object_store_memory"] == 256 << 20
+  assert seen["address"] == "local" and seen["object_store_memory"] == 256 << 20
 
 
 def test_a_store_larger_than_memory_allows_and_cores_the_learner_needs_are_refused(monkeypatch):
@@ -192,3 +197,59 @@ def test_the_main_job_refuses_a_dead_address_before_it_writes_anything(tmp_path,
   # The RL stage's own overrides count: a store it would preallocate is checked as it would run.
   assert cli.main(["run", "configs/tiny.yaml", "--out", str(out), "run.rl_overrides=[rl.worker_cpus=999]"]) == 2
   assert not out.exists() and "rl.worker_cpus=999" in capsys.readouterr().err
+
+
+def test_a_port_that_does_not_speak_gcs_is_refused_within_its_timeout(monkeypatch, listening):
+  """The dashboard's port, say: it accepts TCP, and ray.init would retry there for a minute."""
+  pytest.importorskip("ray")
+  monkeypatch.setattr(preflight, "cluster_metadata", _PROBE)
+  msg = _error(f"rl.ray_address={listening}")
+  assert msg.startswith(f"rl.ray_address={listening!r}: {listening} accepts connections but does "
+                        "not answer as a Ray GCS within 2 s")
+  assert "give the GCS port, or leave rl.ray_address empty" in msg
+  _check(f"rl.ray_address=ray://{listening}")  # the client server checks versions when joined
+
+
+def test_a_cluster_of_other_versions_is_refused_as_ray_init_would(monkeypatch, listening):
+  ray = pytest.importorskip("ray")
+  import sys
+  py = ".".join(map(str, sys.version_info[:3]))
+  meta = {}
+  monkeypatch.setattr(preflight, "cluster_metadata", lambda addr, timeout_s: meta)
+  meta.update(ray_version="2.0.0", python_version=py)
+  assert _error(f"rl.ray_address={listening}") == (
+      f"rl.ray_address={listening!r}: the cluster runs Ray 2.0.0 on Python {py}, this process Ray "
+      f"{ray.__version__} on Python {py}, and Ray joins only the same versions: install "
+      f"ray==2.0.0 under Python {py} here, or leave rl.ray_address empty")
+  other = f"{sys.version_info[0]}.{sys.version_info[1]}.{sys.version_info[2] + 1}"
+  meta.update(ray_version=ray.__version__, python_version=other)
+  assert "the cluster runs Ray" in _error(f"rl.ray_address={listening}")  # ray.init matches patches
+  monkeypatch.setenv("RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL", "minor")  # ... unless told not to
+  _check(f"rl.ray_address={listening}")
+  meta.update(python_version=py)
+  monkeypatch.delenv("RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL")
+  _check(f"rl.ray_address={listening}")
+
+
+def test_a_running_gcs_answers_with_the_versions_it_recorded_and_checks_the_token(monkeypatch, tmp_path):
+  ray = pytest.importorskip("ray")
+  import tempfile
+  monkeypatch.setattr(preflight, "cluster_metadata", _PROBE)
+  monkeypatch.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="cj-ray-"))  # sockets: <= 107 bytes a path
+  ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
+           configure_logging=False)
+  try:
+    addr = ray.get_runtime_context().gcs_address
+    meta = preflight.cluster_metadata(addr, 3.0)
+    assert meta["ray_version"] == ray.__version__ and meta["python_version"] == preflight._ours()[1]
+    _check(f"rl.ray_address={addr}")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "not-the-clusters")
+    if "error" not in (preflight.cluster_metadata(addr, 3.0) or {"error": 1}):
+      return  # a Ray without token authentication (before 2.5x): any token is let in
+    assert _error(f"rl.ray_address={addr}") == (
+        f"rl.ray_address={addr!r}: the cluster at {addr} refused this process's Ray auth token: put "
+        "the cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN, or leave "
+        "rl.ray_address empty")
+  finally:
+    ray.shutdown()
