@@ -84,21 +84,19 @@ def _check_versions(addr: str, field: str, own: str, timeout_s: float) -> None:
                       f"port, or {own} for a Ray of this job's own")
   if not meta:
     return  # no record to compare (an old head, or this Ray's client unavailable)
-  ray_v, py_v = _ours()
-  level = os.environ.get("RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL", "patch")  # as ray.init matches
-  py_n = 2 if level == "minor" else 3
-  theirs = meta.get("ray_version"), meta.get("python_version", "")
-  if theirs[0] != ray_v or theirs[1].split(".")[:py_n] != py_v.split(".")[:py_n]:
+  from ray._private.utils import check_version_info  # ray.init's own comparison (match level too)
+  try:
+    check_version_info(meta, "this machine")
+  except RuntimeError:
+    (ray_v, py_v), theirs = _ours(), (meta.get("ray_version"), meta.get("python_version"))
     raise ConfigError(f"{field}: the cluster runs Ray {theirs[0]} on Python {theirs[1]}, this "
                       f"process Ray {ray_v} on Python {py_v}, and Ray joins only the same versions: "
-                      f"install ray=={theirs[0]} under Python {theirs[1]} here, or {own}")
+                      f"install ray=={theirs[0]} under Python {theirs[1]} here, or {own}") from None
 
 
 def _ours() -> tuple[str, str]:
-  import sys
-
-  import ray
-  return ray.__version__, ".".join(map(str, sys.version_info[:3]))
+  from ray._private.utils import compute_version_info
+  return compute_version_info()
 
 
 # Run in a child process: Ray's GCS client blocks for a minute of retries on a port that does not
