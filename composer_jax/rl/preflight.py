@@ -84,7 +84,10 @@ def _check_versions(addr: str, field: str, own: str, timeout_s: float) -> None:
                       f"port, or {own} for a Ray of this job's own")
   if not meta:
     return  # no record to compare (an old head, or this Ray's client unavailable)
-  from ray._private.utils import check_version_info  # ray.init's own comparison (match level too)
+  try:
+    from ray._private.utils import check_version_info  # ray.init's own comparison (match level too)
+  except ImportError:  # a Ray that moved this private helper: ray.init still checks, later
+    return
   try:
     check_version_info(meta, "this machine")
   except RuntimeError:
