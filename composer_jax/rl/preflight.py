@@ -2,7 +2,8 @@
 
 ``config_check.validate`` checks a config on its own; these checks look at the machine: a Ray
 cluster that answers at ``rl.ray_address`` (as a GCS, of this Ray and Python), a preallocated object
-store that fits in memory, and cores left for the learner when ``rl.worker_cpus`` pins the workers.
+store that fits in memory, cores left for the learner when ``rl.worker_cpus`` pins the workers, and
+memory for ``rl.num_workers`` worker processes.
 Without them a wrong address or an oversized store surfaced as Ray's error (or a minute of retries)
 when the RL stage began, 15 minutes into the main job. Each failure is one line naming the field and
 the fix.
@@ -13,12 +14,20 @@ from __future__ import annotations
 import os
 import socket
 
+import numpy as np
+
 from composer_jax.config import Config, ConfigError
 
 # Ray joins the cluster in this variable whatever address ray.init is given (ray._private.services,
 # get_ray_address_from_environment), so it counts as the address too.
 ENV = "RAY_ADDRESS"
 STORE_SHARE = 0.5  # a preallocated store may take at most this share of the memory available
+# A rollout worker's host memory beyond its weights and cache: Python, Ray's core worker, the JAX
+# runtime and the sampler's compiled programs: about 950 MiB at the tiny config's peak on CPU
+# (experiments/rl_worker_memory.py: 1,027 MiB in all). Set below that, so that the estimate stays a
+# floor (measured / estimated 1.13-1.34) and the check never refuses workers that would fit.
+WORKER_RUNTIME_MB = 768
+CACHE_COPIES = 1.5  # the latent cache and a decode step's new one (the peak grew 1.7x and 2.8x the cache)
 _FORMS = "give 'auto', 'host:port' (the head's GCS port, 6379 by default) or 'ray://host:port'"
 
 
@@ -42,7 +51,7 @@ def check(cfg: Config, timeout_s: float = 3.0) -> None:
   if ray_address(rl):
     _check_cluster(ray_address(rl), field, own, timeout_s)
   else:
-    _check_local(rl)
+    _check_local(cfg)
 
 
 def _check_cluster(addr: str, field: str, own: str, timeout_s: float) -> None:
@@ -175,7 +184,8 @@ def _gcs_running() -> bool:
   return False
 
 
-def _check_local(rl) -> None:
+def _check_local(cfg: Config) -> None:
+  rl = cfg.rl
   if rl.object_store_mb > 0:
     avail = available_memory_bytes() >> 20
     cap = int(avail * STORE_SHARE)
@@ -183,11 +193,53 @@ def _check_local(rl) -> None:
       raise ConfigError(f"rl.object_store_mb={rl.object_store_mb} preallocates more than "
                         f"{STORE_SHARE:.0%} of the {avail} MiB of memory available here: give at most "
                         f"{cap}, or 0 for Ray's default (sized and filled lazily)")
+  _check_workers(cfg)
   if rl.worker_cpus > 0 and hasattr(os, "sched_getaffinity"):
     cores = len(os.sched_getaffinity(0))
     if rl.worker_cpus >= cores:
       raise ConfigError(f"rl.worker_cpus={rl.worker_cpus} leaves the learner no core: this process "
                         f"may run on {cores}; give at most {cores - 1}, or 0 for no pinning")
+
+
+def worker_bytes(cfg: Config) -> dict:
+  """Host memory one rollout worker process needs at least: the runtime, the broadcast weights (the
+  receiver keeps them on the host for delta updates; on CPU the device arrays alias them) and, on a
+  CPU sampler, the latent cache of ``rl.decode_batch`` slots. A gang's member holds its share."""
+  import jax
+  from flax import nnx
+
+  from composer_jax.model.build import abstract_model, model_config
+  from composer_jax.model.cache import init_cache
+  m, rl = model_config(cfg), cfg.rl
+  nbytes = lambda tree: sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                            for x in jax.tree.leaves(tree))
+  params = nbytes(nnx.state(abstract_model(m)))  # the broadcast: parameters and the rest (router bias)
+  cache = 0
+  if rl.worker_platform == "cpu":
+    shapes = jax.eval_shape(lambda: init_cache(m, rl.decode_batch, rl.max_context or m.max_seq_len))
+    cache = int(CACHE_COPIES * nbytes(shapes))
+  share = (params + cache) // max(rl.worker_hosts, 1)
+  return {"runtime": WORKER_RUNTIME_MB << 20, "params": params, "cache": cache,
+          "total": (WORKER_RUNTIME_MB << 20) + share}
+
+
+def _check_workers(cfg: Config) -> None:
+  """``rl.num_workers`` x ``rl.worker_hosts`` JAX processes must fit in the memory left beside the
+  object store, or the kernel's OOM killer ends them (or the learner) when RL begins."""
+  rl = cfg.rl
+  procs = rl.num_workers * max(rl.worker_hosts, 1)
+  if procs == 0:
+    return
+  each = worker_bytes(cfg)["total"]
+  avail = available_memory_bytes() - (rl.object_store_mb << 20)
+  if procs * each > avail:
+    fit = max(avail // each // max(rl.worker_hosts, 1), 0)
+    raise ConfigError(
+        f"rl.num_workers={rl.num_workers}: {procs} rollout worker process(es) need at least "
+        f"{procs * each >> 20} MiB ({each >> 20} MiB each: runtime, weights and cache), more than the "
+        f"{max(avail, 0) >> 20} MiB available here{' beside rl.object_store_mb' if rl.object_store_mb else ''}: "
+        f"give at most {fit}, a smaller rl.decode_batch or rl.max_context, or join a cluster "
+        f"(rl.ray_address)")
 
 
 def available_memory_bytes() -> int:

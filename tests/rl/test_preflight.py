@@ -130,6 +130,7 @@ def test_the_orchestrator_joins_ray_address_from_the_environment(monkeypatch, li
 
 def test_a_store_larger_than_memory_allows_and_cores_the_learner_needs_are_refused(monkeypatch):
   monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 1000 << 20)
+  monkeypatch.setattr(preflight, "worker_bytes", lambda cfg: {"total": 1 << 20})  # its own test below
   _check("rl.object_store_mb=500")
   assert _error("rl.object_store_mb=501") == (
       "rl.object_store_mb=501 preallocates more than 50% of the 1000 MiB of memory available here: give "
@@ -145,6 +146,46 @@ def test_a_store_larger_than_memory_allows_and_cores_the_learner_needs_are_refus
   # Joining a cluster, neither is this machine's business.
   monkeypatch.setattr(preflight, "_check_cluster", lambda *a: None)
   _check("rl.ray_address=head:6379", f"rl.worker_cpus={cores}", "rl.object_store_mb=100000")
+
+
+GANG = ["rl.worker_hosts=2", "rl.worker_devices=1", "rl.learner_sampler=mesh"]  # one worker, two processes
+
+
+def test_a_workers_memory_is_the_runtime_the_weights_and_a_cpu_samplers_latent_cache():
+  cfg = load_config("configs/tiny.yaml", [])
+  m, rl = cfg.model, cfg.rl
+  got = preflight.worker_bytes(cfg)
+  # Independent of the modules: float32 parameters as counted, and MLA's cache of one latent
+  # (kv_lora_rank) and one shared rope key (qk_rope_dim) per token, layer and slot, plus each slot's
+  # int32 fill index.
+  from composer_jax.model.build import count_params
+  assert got["params"] == 4 * count_params(cfg)["total"]
+  latent = m.n_layers * rl.decode_batch * rl.max_context * (m.kv_lora_rank + m.qk_rope_dim) * 4
+  latent += m.n_layers * rl.decode_batch * 4
+  assert got["cache"] == int(preflight.CACHE_COPIES * latent)
+  assert got["total"] == (preflight.WORKER_RUNTIME_MB << 20) + got["params"] + got["cache"]
+  bigger = preflight.worker_bytes(load_config("configs/tiny.yaml", [f"rl.decode_batch={4 * rl.decode_batch}"]))
+  assert bigger["cache"] == 4 * got["cache"] and bigger["params"] == got["params"]
+  # A gang's member holds half of both; a GPU sampler's cache is on the device, not the host.
+  gang = preflight.worker_bytes(load_config("configs/tiny.yaml", GANG))
+  assert gang["total"] - gang["runtime"] == (got["params"] + got["cache"]) // 2
+  gpu = preflight.worker_bytes(load_config("configs/tiny.yaml", ["rl.worker_platform=gpu", "rl.worker_devices=1"]))
+  assert gpu["cache"] == 0 and gpu["params"] == got["params"]
+
+
+def test_more_workers_than_memory_holds_are_refused_with_how_many_fit(monkeypatch):
+  each = preflight.worker_bytes(load_config(None, []))["total"]
+  monkeypatch.setattr(preflight, "available_memory_bytes", lambda: 4 * each + (1 << 20))
+  _check("rl.num_workers=4")
+  msg = _error("rl.num_workers=5")
+  assert msg.startswith(f"rl.num_workers=5: 5 rollout worker process(es) need at least {5 * each >> 20} MiB")
+  assert "give at most 4," in msg and "\n" not in msg
+  # Gangs count every member; a preallocated store takes its share first.
+  assert "give at most 2," in _error("rl.num_workers=3", *GANG)
+  assert "give at most 3," in _error("rl.num_workers=4", f"rl.object_store_mb={(each >> 20) + 1}")
+  _check("rl.num_workers=50", "rl.ray_address=local")  # a new local Ray of its own: Ray's business
+  monkeypatch.setattr(preflight, "_check_cluster", lambda *a: None)
+  _check("rl.num_workers=50", "rl.ray_address=head:6379")  # the cluster's memory, not this machine's
 
 
 def test_available_memory_is_meminfo_lowered_to_the_cgroup_limit(monkeypatch):
