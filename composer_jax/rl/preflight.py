@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 import numpy as np
 
@@ -50,6 +51,8 @@ def check(cfg: Config, timeout_s: float = 3.0) -> None:
   own = f"unset {ENV}" if env else "leave rl.ray_address empty"
   if ray_address(rl):
     _check_cluster(ray_address(rl), field, own, timeout_s)
+    if ray_address(rl) == "local":  # a new Ray of its own, sized by Ray: the workers are still here
+      _check_workers(cfg)
   else:
     _check_local(cfg)
 
@@ -67,7 +70,7 @@ def _check_cluster(addr: str, field: str, own: str, timeout_s: float) -> None:
     addr = found
   host, port = _host_port(addr, field)
   try:
-    socket.create_connection((host, port), timeout=timeout_s).close()
+    socket.create_connection(_resolve(host, port, field, timeout_s), timeout=timeout_s).close()
   except OSError as e:
     head = ("`ray start --head`, whose client server listens on 10001" if addr.startswith("ray://")
             else f"`ray start --head --port {port}`")
@@ -151,6 +154,27 @@ def cluster_metadata(addr: str, timeout_s: float) -> dict | None:
   except (ValueError, IndexError):
     return None
   return meta if isinstance(meta, dict) else None
+
+
+def _resolve(host: str, port: int, field: str, timeout_s: float) -> tuple:
+  """The first TCP address of ``host``, looked up on a daemon thread: getaddrinfo takes no timeout,
+  and a resolver that does not answer would otherwise hold the preflight for as long as it likes."""
+  done, box = threading.Event(), {}
+
+  def look():
+    try:
+      box["addr"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][:2]
+    except OSError as e:
+      box["error"] = e
+    done.set()
+
+  threading.Thread(target=look, daemon=True, name="preflight-resolve").start()
+  if not done.wait(timeout_s):
+    raise ConfigError(f"{field}: looking up {host!r} took over {timeout_s:g} s: check the name and "
+                      f"this machine's DNS, or give the head's IP address")
+  if "error" in box:
+    raise box["error"]
+  return box["addr"]
 
 
 def _host_port(addr: str, field: str) -> tuple[str, int]:

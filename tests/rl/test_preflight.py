@@ -67,6 +67,18 @@ def test_an_address_where_nothing_listens_is_one_line_naming_the_field():
   assert "client server listens on 10001" in _error(f"rl.ray_address=ray://127.0.0.1:{port}")
 
 
+def test_a_name_the_resolver_never_answers_for_is_refused_within_the_timeout(monkeypatch):
+  import time
+  seen = []
+  monkeypatch.setattr(preflight.socket, "getaddrinfo", lambda *a, **k: seen.append(a) or time.sleep(30))
+  t0 = time.monotonic()
+  with pytest.raises(ConfigError) as e:
+    preflight.check(load_config(None, ["rl.ray_address=head.example:6379"]), timeout_s=0.5)
+  assert time.monotonic() - t0 < 5 and seen[0][:2] == ("head.example", 6379)
+  assert str(e.value) == ("rl.ray_address='head.example:6379': looking up 'head.example' took over "
+                          "0.5 s: check the name and this machine's DNS, or give the head's IP address")
+
+
 @pytest.mark.parametrize("addr", ["http://head:8265", "head", "head:port", "head:0", "head:70000", ":6379",
                                   "ray://head"])
 def test_what_is_not_a_ray_address_says_which_forms_are(addr):
@@ -183,7 +195,8 @@ def test_more_workers_than_memory_holds_are_refused_with_how_many_fit(monkeypatc
   # Gangs count every member; a preallocated store takes its share first.
   assert "give at most 2," in _error("rl.num_workers=3", *GANG)
   assert "give at most 3," in _error("rl.num_workers=4", f"rl.object_store_mb={(each >> 20) + 1}")
-  _check("rl.num_workers=50", "rl.ray_address=local")  # a new local Ray of its own: Ray's business
+  # A new local Ray sized by Ray itself still runs its workers here.
+  assert _error("rl.num_workers=5", "rl.ray_address=local").startswith("rl.num_workers=5: 5 rollout")
   monkeypatch.setattr(preflight, "_check_cluster", lambda *a: None)
   _check("rl.num_workers=50", "rl.ray_address=head:6379")  # the cluster's memory, not this machine's
 
