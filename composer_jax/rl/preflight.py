@@ -242,7 +242,7 @@ def worker_bytes(cfg: Config) -> dict:
   if rl.worker_platform == "cpu":
     shapes = jax.eval_shape(lambda: init_cache(m, rl.decode_batch, rl.max_context or m.max_seq_len))
     cache = int(CACHE_COPIES * nbytes(shapes))
-  share = (params + cache) // max(rl.worker_hosts, 1)
+  share = (params + cache) // rl.worker_hosts
   return {"runtime": WORKER_RUNTIME_MB << 20, "params": params, "cache": cache,
           "total": (WORKER_RUNTIME_MB << 20) + share}
 
@@ -251,13 +251,13 @@ def _check_workers(cfg: Config) -> None:
   """``rl.num_workers`` x ``rl.worker_hosts`` JAX processes must fit in the memory left beside the
   object store, or the kernel's OOM killer ends them (or the learner) when RL begins."""
   rl = cfg.rl
-  procs = rl.num_workers * max(rl.worker_hosts, 1)
+  procs = rl.num_workers * rl.worker_hosts
   if procs == 0:
     return
   each = worker_bytes(cfg)["total"]
   avail = available_memory_bytes() - (rl.object_store_mb << 20)
   if procs * each > avail:
-    fit = max(avail // each // max(rl.worker_hosts, 1), 0)
+    fit = max(avail // each // rl.worker_hosts, 0)
     raise ConfigError(
         f"rl.num_workers={rl.num_workers}: {procs} rollout worker process(es) need at least "
         f"{procs * each >> 20} MiB ({each >> 20} MiB each: runtime, weights and cache), more than the "
