@@ -375,8 +375,14 @@ def _main(args) -> int:
     stage_config(cfg, getattr(cfg.run, name))  # a bad stage override fails now, in one line
   stage_config(cfg, anneal_overrides(cfg, list(cfg.run.sft_overrides)))
   from composer_jax.rl import preflight
+  from composer_jax.train import fit
+  rl_cfg = stage_config(cfg, ["rl.sft_mix_path=sft/trajectories.jsonl"] + list(cfg.run.rl_overrides))
   # The RL stage's Ray (cluster address, object store, pinned cores), now rather than 15 min in.
-  preflight.check(stage_config(cfg, ["rl.sft_mix_path=sft/trajectories.jsonl"] + list(cfg.run.rl_overrides)))
+  preflight.check(rl_cfg)
+  # Every training stage's step fits the devices, before the first stage spends its minutes.
+  for name in ("pretrain_overrides", "sft_overrides"):
+    fit.check_training(stage_config(cfg, getattr(cfg.run, name)), f"run.{name}: ")
+  preflight.check_learner(rl_cfg, "run.rl_overrides: ")
   if cfg.run.base:  # before any stage: a wrong base is one line, not a failed pretraining stage
     from composer_jax.train.init import check_base
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, base=resolve_beside(

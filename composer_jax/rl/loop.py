@@ -34,6 +34,7 @@ from composer_jax.rl import learner as L
 from composer_jax.rl import worker_devices
 from composer_jax.rl.agent import Job, RolloutRunner
 from composer_jax.rl.curriculum import make_stream
+from composer_jax.rl.preflight import check_learner
 from composer_jax.train.step import ROWS
 
 
@@ -107,6 +108,7 @@ class RLRun:
     self.tok = load_tokenizer(tok_path)
     if self.leader:
       dump_config(cfg, os.path.join(out_dir, "config.yaml"))
+    check_learner(cfg)  # one line, before the weights are made and the step compiled
     self.tr = build_trainer(cfg, loss_fn=L.make_rl_loss(cfg))
     self.ck = ckpt_lib.Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                                     every=cfg.checkpoint.every, async_save=cfg.checkpoint.async_save)

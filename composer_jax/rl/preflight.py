@@ -18,6 +18,7 @@ import threading
 import numpy as np
 
 from composer_jax.config import Config, ConfigError
+from composer_jax.train.fit import available_memory_bytes, check_fits
 
 # Ray joins the cluster in this variable whatever address ray.init is given (ray._private.services,
 # get_ray_address_from_environment), so it counts as the address too.
@@ -266,47 +267,28 @@ def _check_workers(cfg: Config) -> None:
         f"(rl.ray_address)")
 
 
-def available_memory_bytes() -> int:
-  """Memory this process can still get: /proc/meminfo's MemAvailable, lowered to what its memory
-  cgroup's limit leaves (v2 or v1), so a container's limit counts, not the host's memory."""
-  avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  try:
-    with open("/proc/meminfo") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          avail = int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  left = _cgroup_left()
-  return max(min(avail, left) if left is not None else avail, 0)
+def learner_shape(cfg: Config, n_devices: int | None = None) -> tuple[int, int]:
+  """(row length, rows per batch shard per micro-step) of the learner's largest RL step: rows as
+  ``RLLoop._batch`` counts them (a group's rows, or at least one quantum when packing, plus the
+  PPO-ptx chats), at rl.pack_length or rl.max_context, the longest a bucketed row may be."""
+  import jax
+
+  from composer_jax.rl.learner import row_count
+  from composer_jax.train.plan import mesh_sizes
+  rl = cfg.rl
+  sizes, _ = mesh_sizes(cfg, n_devices or jax.device_count())
+  quantum = cfg.train.grad_accum * rl.minibatches * sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  group = rl.tasks_per_step * rl.group_size
+  rows = quantum if rl.pack_length else row_count(group, int(np.lcm(quantum, group)))
+  if rl.sft_mix_coef > 0:
+    rows += row_count(rl.sft_mix_rows, quantum)
+  return rl.pack_length or rl.max_context, -(-rows // quantum)
 
 
-# (mount, its /proc/self/cgroup controller field, limit file, usage file) of cgroup v2, then v1.
-_CGROUPS = (("/sys/fs/cgroup", "", "memory.max", "memory.current"),
-            ("/sys/fs/cgroup/memory", "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"))
-
-
-def _cgroup_left() -> int | None:
-  """Bytes left under this process's memory cgroup limit; None without a limit or a cgroup."""
-  try:
-    with open("/proc/self/cgroup") as f:
-      fields = {c: path for _, cs, path in (ln.rstrip("\n").split(":", 2) for ln in f)
-                for c in cs.split(",")}
-  except (OSError, ValueError):
-    return None
-  for mount, controller, limit_file, usage_file in _CGROUPS:
-    if controller not in fields:
-      continue
-    # Inside a container the recorded path is the host's; the container sees its cgroup at the mount.
-    for base in (os.path.join(mount, fields[controller].lstrip("/")), mount):
-      try:
-        with open(os.path.join(base, limit_file)) as f:
-          limit = f.read().strip()
-        with open(os.path.join(base, usage_file)) as f:
-          usage = int(f.read())
-      except (OSError, ValueError):
-        continue
-      if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
-        return None
-      return int(limit) - usage
-  return None
+def check_learner(cfg: Config, prefix: str = "") -> dict:
+  """The learner's RL step must fit its devices (``train/fit.py``), before any weight is made."""
+  length, rows = learner_shape(cfg)
+  return check_fits(cfg, length, rows, f"{prefix}the RL learner's step of {rows} row(s) of {length} tokens "
+                    f"per batch shard per micro-step (rl.tasks_per_step x rl.group_size"
+                    f"{' + rl.sft_mix_rows' if cfg.rl.sft_mix_coef > 0 else ''}, at "
+                    f"{'rl.pack_length' if cfg.rl.pack_length else 'rl.max_context'})")

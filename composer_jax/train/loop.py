@@ -35,6 +35,7 @@ from composer_jax.parallel.multihost import (
   local_state,
 )
 from composer_jax.train import checkpoint as ckpt_lib
+from composer_jax.train import fit
 from composer_jax.train import optim
 from composer_jax.train.step import (
   make_eval_step,
@@ -392,6 +393,7 @@ def run(cfg: Config, out_dir: str, *, stage: str = "pretrain", resume: bool = Fa
     init_dir = init
   tr = build_trainer(cfg, materialize=False)  # abstract: nothing compiled or allocated yet
   check_batch(cfg, tr)
+  fit.check_training(cfg)  # before the data and the weights
   data = build_data(cfg, out_dir, stage, init_dir)
   byte_lengths = jax.device_put(data.tokenizer.byte_lengths(), NamedSharding(tr.mesh, P()))
   ck = ckpt_lib.Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.checkpoint.keep,

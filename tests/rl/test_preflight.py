@@ -201,46 +201,6 @@ def test_more_workers_than_memory_holds_are_refused_with_how_many_fit(monkeypatc
   _check("rl.num_workers=50", "rl.ray_address=head:6379")  # the cluster's memory, not this machine's
 
 
-def test_available_memory_is_meminfo_lowered_to_the_cgroup_limit(monkeypatch):
-  with open("/proc/meminfo") as f:
-    fields = dict(ln.split(":", 1) for ln in f)
-  meminfo = int(fields["MemAvailable"].split()[0]) * 1024
-  got = preflight.available_memory_bytes()
-  assert 0 < got <= meminfo * 1.05  # MemAvailable moves between the two reads
-  monkeypatch.setattr(preflight, "_cgroup_left", lambda: 123 << 20)
-  assert preflight.available_memory_bytes() == 123 << 20
-
-
-def test_cgroup_limit_is_read_from_v2_and_v1_layouts(monkeypatch, tmp_path):
-  real_open = open
-
-  def fake_files(files):
-    def fake_open(path, *a, **kw):
-      path = str(path)
-      if path in files:
-        import io
-        return io.StringIO(files[path])
-      if path.startswith("/proc/self/cgroup") or path.startswith("/sys/fs/cgroup"):
-        raise FileNotFoundError(path)
-      return real_open(path, *a, **kw)
-    monkeypatch.setattr("builtins.open", fake_open)
-
-  fake_files({"/proc/self/cgroup": "0::/job\n", "/sys/fs/cgroup/job/memory.max": "1000\n",
-              "/sys/fs/cgroup/job/memory.current": "400\n"})
-  assert preflight._cgroup_left() == 600
-  # A container: the recorded path is the host's, the limit sits at the mount's root.
-  fake_files({"/proc/self/cgroup": "4:memory:/docker/abc\n0::/\n",
-              "/sys/fs/cgroup/memory/memory.limit_in_bytes": "2000\n",
-              "/sys/fs/cgroup/memory/memory.usage_in_bytes": "500\n"})
-  assert preflight._cgroup_left() == 1500
-  fake_files({"/proc/self/cgroup": "4:memory:/\n", "/sys/fs/cgroup/memory/memory.limit_in_bytes":
-              "9223372036854771712\n", "/sys/fs/cgroup/memory/memory.usage_in_bytes": "5\n"})
-  assert preflight._cgroup_left() is None  # v1's "no limit"
-  fake_files({"/proc/self/cgroup": "0::/\n", "/sys/fs/cgroup/memory.max": "max\n",
-              "/sys/fs/cgroup/memory.current": "5\n"})
-  assert preflight._cgroup_left() is None
-
-
 def test_the_main_job_refuses_a_dead_address_before_it_writes_anything(tmp_path, capsys):
   out = tmp_path / "run"
   port = _closed_port()
