@@ -94,6 +94,7 @@ class RLRun:
     self.cfg, self.out, self.log = cfg, out_dir, log
     self.tasks = load_task_set(rl.tasks, "rl.tasks")
     self.mode = check_isolation(cfg) if self.leader else None  # followers run no episodes
+    check_learner(cfg)  # one line, before anything is written, the weights made or the step compiled
     os.makedirs(out_dir, exist_ok=True)
     tok_path = os.path.join(out_dir, "tokenizer.json")
     init_ckpt, init_step = ckpt_lib.find_checkpoint(init) if init else (None, None)
@@ -108,7 +109,6 @@ class RLRun:
     self.tok = load_tokenizer(tok_path)
     if self.leader:
       dump_config(cfg, os.path.join(out_dir, "config.yaml"))
-    check_learner(cfg)  # one line, before the weights are made and the step compiled
     self.tr = build_trainer(cfg, loss_fn=L.make_rl_loss(cfg))
     self.ck = ckpt_lib.Checkpointer(os.path.join(out_dir, "checkpoints"), keep=cfg.checkpoint.keep,
                                     every=cfg.checkpoint.every, async_save=cfg.checkpoint.async_save)

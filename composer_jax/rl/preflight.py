@@ -269,7 +269,7 @@ def _check_workers(cfg: Config) -> None:
 
 def learner_shape(cfg: Config, n_devices: int | None = None) -> tuple[int, int]:
   """(row length, rows per batch shard per micro-step) of the learner's largest RL step: rows as
-  ``RLLoop._batch`` counts them (a group's rows, or at least one quantum when packing, plus the
+  ``RLRun._batch`` counts them (a group's rows, or at least one quantum when packing, plus the
   PPO-ptx chats), at rl.pack_length or rl.max_context, the longest a bucketed row may be."""
   import jax
 

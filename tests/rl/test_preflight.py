@@ -267,3 +267,21 @@ def test_a_running_gcs_answers_with_the_versions_it_recorded_and_checks_the_toke
         "rl.ray_address empty")
   finally:
     ray.shutdown()
+
+
+def test_an_rl_learner_step_that_cannot_fit_is_refused_before_the_run_writes(world, tmp_path, monkeypatch):
+  from composer_jax.env import sandbox
+  from composer_jax.rl.loop import RLRun
+  from composer_jax.train import fit
+  from tests.rl.conftest import MODEL, RL
+  if not sandbox.bwrap_available():
+    pytest.skip("bubblewrap cannot run here (apt-get install -y bubblewrap)")
+  _, init, tasks = world
+  cfg = load_config(None, MODEL + RL + [f"rl.tasks={tasks}"])
+  need = preflight.check_learner(cfg)["floor"]  # fits this machine
+  monkeypatch.setattr(fit, "device_memory_bytes", lambda: (need - 1, "test device"))
+  out = tmp_path / "rl"
+  with pytest.raises(ConfigError) as e:
+    RLRun(cfg, str(out), init=init)
+  assert "\n" not in str(e.value) and str(e.value).startswith("the RL learner's step of ")
+  assert not out.exists()  # no tokenizer copy, config or rollout file
