@@ -379,10 +379,6 @@ def _main(args) -> int:
   rl_cfg = stage_config(cfg, ["rl.sft_mix_path=sft/trajectories.jsonl"] + list(cfg.run.rl_overrides))
   # The RL stage's Ray (cluster address, object store, pinned cores), now rather than 15 min in.
   preflight.check(rl_cfg)
-  # Every training stage's step fits the devices, before the first stage spends its minutes.
-  for name in ("pretrain_overrides", "sft_overrides"):
-    fit.check_training(stage_config(cfg, getattr(cfg.run, name)), f"run.{name}: ")
-  preflight.check_learner(rl_cfg, "run.rl_overrides: ")
   if cfg.run.base:  # before any stage: a wrong base is one line, not a failed pretraining stage
     from composer_jax.train.init import check_base
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, base=resolve_beside(
@@ -394,5 +390,10 @@ def _main(args) -> int:
   except SandboxError as e:
     raise ConfigError(str(e)) from None
   maybe_initialize_distributed(cfg.mesh)  # mesh.distributed: one job for every stage
+  # Every training stage's step fits the devices, before the first stage spends its minutes. These
+  # read the devices, so they follow jax.distributed (which must come before any device is read).
+  for name in ("pretrain_overrides", "sft_overrides"):
+    fit.check_training(stage_config(cfg, getattr(cfg.run, name)), f"run.{name}: ")
+  preflight.check_learner(rl_cfg, "run.rl_overrides: ")
   Recipe(cfg, args.out, args.resume).run()
   return 0

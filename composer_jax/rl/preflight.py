@@ -248,21 +248,24 @@ def worker_bytes(cfg: Config) -> dict:
           "total": (WORKER_RUNTIME_MB << 20) + share}
 
 
-def _check_workers(cfg: Config) -> None:
+def _check_workers(cfg: Config, learner: int = 0) -> None:
   """``rl.num_workers`` x ``rl.worker_hosts`` JAX processes must fit in the memory left beside the
-  object store, or the kernel's OOM killer ends them (or the learner) when RL begins."""
+  object store (and ``learner`` bytes of the learner's step, when it shares the host), or the
+  kernel's OOM killer ends them (or the learner) when RL begins."""
   rl = cfg.rl
   procs = rl.num_workers * rl.worker_hosts
   if procs == 0:
     return
   each = worker_bytes(cfg)["total"]
-  avail = available_memory_bytes() - (rl.object_store_mb << 20)
+  avail = available_memory_bytes() - (rl.object_store_mb << 20) - learner
   if procs * each > avail:
     fit = max(avail // each // rl.worker_hosts, 0)
+    beside = [f"the learner's step ({learner >> 20} MiB)"] if learner else []
+    beside += ["rl.object_store_mb"] if rl.object_store_mb else []
     raise ConfigError(
         f"rl.num_workers={rl.num_workers}: {procs} rollout worker process(es) need at least "
         f"{procs * each >> 20} MiB ({each >> 20} MiB each: runtime, weights and cache), more than the "
-        f"{max(avail, 0) >> 20} MiB available here{' beside rl.object_store_mb' if rl.object_store_mb else ''}: "
+        f"{max(avail, 0) >> 20} MiB available here{' beside ' + ' and '.join(beside) if beside else ''}: "
         f"give at most {fit}, a smaller rl.decode_batch or rl.max_context, or join a cluster "
         f"(rl.ray_address)")
 
@@ -285,10 +288,26 @@ def learner_shape(cfg: Config, n_devices: int | None = None) -> tuple[int, int]:
   return rl.pack_length or rl.max_context, -(-rows // quantum)
 
 
+def learner_host_bytes(cfg: Config, floor: int) -> int:
+  """Host memory the learner's step of ``floor`` bytes per device takes beside local workers: the
+  floor on every local device when those are CPU devices (they share the host), else none. It reads
+  the devices, so it runs after ``jax.distributed`` has started (``check_learner``)."""
+  import jax
+  rl = cfg.rl
+  # Local workers are process 0's (the leader's); another learner process's host holds none.
+  local = rl.async_ and ray_address(rl) in ("", "local") and jax.process_index() == 0
+  return floor * len(jax.local_devices()) if local and jax.default_backend() == "cpu" else 0
+
+
 def check_learner(cfg: Config, prefix: str = "") -> dict:
-  """The learner's RL step must fit its devices (``train/fit.py``), before any weight is made."""
+  """The learner's RL step must fit its devices (``train/fit.py``), before any weight is made; on
+  CPU devices its floor comes off the memory that local rollout workers may take."""
   length, rows = learner_shape(cfg)
-  return check_fits(cfg, length, rows, f"{prefix}the RL learner's step of {rows} row(s) of {length} tokens "
+  got = check_fits(cfg, length, rows, f"{prefix}the RL learner's step of {rows} row(s) of {length} tokens "
                     f"per batch shard per micro-step (rl.tasks_per_step x rl.group_size"
                     f"{' + rl.sft_mix_rows' if cfg.rl.sft_mix_coef > 0 else ''}, at "
                     f"{'rl.pack_length' if cfg.rl.pack_length else 'rl.max_context'})")
+  learner = learner_host_bytes(cfg, got["floor"])
+  if learner:
+    _check_workers(cfg, learner)
+  return got

@@ -65,3 +65,19 @@ def test_main_job_on_two_processes_and_its_resume(tmp_path):
     assert "== eval_rl\n" in text and "== rl: done earlier, skipped" in text
   with open(out / "summary.json") as f:
     assert json.load(f)["rl"] == s["rl"]
+
+
+@pytest.mark.skipif(not sandbox.bwrap_available(), reason="bubblewrap cannot run here")
+def test_the_main_jobs_fit_checks_see_every_processs_devices(tmp_path):
+  """The up-front fit checks read the devices, so they follow jax.distributed: on two processes of
+  4 devices each they judge the 8-device mesh (not 'only 4 are visible'), in one line, and the run
+  writes nothing."""
+  out = tmp_path / "run"
+  args = ["run", os.path.join(ROOT, "configs/tiny.yaml"), "--out", str(out), "mesh.data=2",
+          "mesh.tensor=4", "run.pretrain_overrides=[data.batch_size=200000]"]
+  for rc, text in run_cluster(args, n=2, env=_env(), timeout=300):
+    assert rc == 2, text[-4000:]
+    line = text.strip().splitlines()[-1]
+    assert line.startswith("composer-jax: error: run.pretrain_overrides: a training step of "), line
+    assert "mesh data=2 x tensor=4), more than the CPU device's share of the host" in line
+  assert not out.exists()

@@ -285,3 +285,29 @@ def test_an_rl_learner_step_that_cannot_fit_is_refused_before_the_run_writes(wor
     RLRun(cfg, str(out), init=init)
   assert "\n" not in str(e.value) and str(e.value).startswith("the RL learner's step of ")
   assert not out.exists()  # no tokenizer copy, config or rollout file
+
+
+def test_on_cpu_the_workers_get_the_memory_the_learners_largest_step_leaves(monkeypatch):
+  """The learner's CPU devices share the host with the local workers: its floor on each local
+  device (train/fit.py) comes off the memory the workers may take, and the refusal says so."""
+  import jax
+
+  from composer_jax.train import fit
+  cfg = load_config(None, [])
+  floor = fit.step_floor(cfg, *preflight.learner_shape(cfg))["floor"]
+  learner = floor * len(jax.local_devices())
+  assert preflight.learner_host_bytes(cfg, floor) == learner > 0
+  each = preflight.worker_bytes(cfg)["total"]
+  monkeypatch.setattr(preflight, "available_memory_bytes", lambda: learner + 2 * each + (1 << 20))
+  monkeypatch.setattr(fit, "available_memory_bytes", lambda: 64 << 30)  # the step itself fits
+  cfg2, cfg3 = (load_config(None, [f"rl.num_workers={n}"]) for n in (2, 3))
+  preflight.check_learner(cfg2)
+  with pytest.raises(ConfigError) as e:
+    preflight.check_learner(cfg3)
+  assert f"available here beside the learner's step ({learner >> 20} MiB): give at most 2," in str(e.value)
+  assert "learner" not in _error("rl.num_workers=3")  # the config-time check reads no device
+  # Workers on a cluster, or a learner on an accelerator, take nothing from this host's workers.
+  assert preflight.learner_host_bytes(load_config(None, ["rl.ray_address=10.0.0.1:6379"]), floor) == 0
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert preflight.learner_host_bytes(cfg3, floor) == 0
+  preflight.check_learner(cfg3)
