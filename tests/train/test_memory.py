@@ -133,7 +133,7 @@ def test_remat_saves_what_the_model_says(policy):
   """Under remat the residuals JAX keeps between forward and backward (no arguments) match 'saved
   for the backward' plus the loss's float32 softmax residual, within 2x. CPU's sorted grouped
   matmul is made of dots, which dots_no_batch saves; the GPU/TPU kernels are not dots and the model
-  counts them as recomputed, so residuals from kernels/gmm.py are left out. Measured: full 0.86,
+  counts them as recomputed, so residuals from composer_jax/kernels/gmm.py are left out. Measured: full 0.86,
   dots_no_batch 1.01."""
   from jax._src.ad_checkpoint import saved_residuals
   seq, b = 512, 2

@@ -1,4 +1,4 @@
-"""Pallas kernels, installed as ``composer_jax.kernels``.
+"""Pallas kernels.
 
 Public API: one dispatch function per operation; the backend (Pallas GPU / TPU, interpret, XLA,
 CPU sorted blocks) is chosen behind it.
