@@ -304,9 +304,9 @@ def check_learner(cfg: Config, prefix: str = "") -> dict:
   CPU devices its floor comes off the memory that local rollout workers may take."""
   length, rows = learner_shape(cfg)
   got = check_fits(cfg, length, rows, f"{prefix}the RL learner's step of {rows} row(s) of {length} tokens "
-                    f"per batch shard per micro-step (rl.tasks_per_step x rl.group_size"
-                    f"{' + rl.sft_mix_rows' if cfg.rl.sft_mix_coef > 0 else ''}, at "
-                    f"{'rl.pack_length' if cfg.rl.pack_length else 'rl.max_context'})")
+                   f"per batch shard per micro-step (rl.tasks_per_step x rl.group_size"
+                   f"{' + rl.sft_mix_rows' if cfg.rl.sft_mix_coef > 0 else ''}, at "
+                   f"{'rl.pack_length' if cfg.rl.pack_length else 'rl.max_context'})")
   learner = learner_host_bytes(cfg, got["floor"])
   if learner:
     _check_workers(cfg, learner)
