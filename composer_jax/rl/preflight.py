@@ -248,7 +248,7 @@ def worker_bytes(cfg: Config) -> dict:
           "total": (WORKER_RUNTIME_MB << 20) + share}
 
 
-def _check_workers(cfg: Config, learner: int = 0) -> None:
+def _check_workers(cfg: Config, learner: int = 0, prefix: str = "") -> None:
   """``rl.num_workers`` x ``rl.worker_hosts`` JAX processes must fit in the memory left beside the
   object store (and ``learner`` bytes of the learner's step, when it shares the host), or the
   kernel's OOM killer ends them (or the learner) when RL begins."""
@@ -263,7 +263,7 @@ def _check_workers(cfg: Config, learner: int = 0) -> None:
     beside = [f"the learner's step ({learner >> 20} MiB)"] if learner else []
     beside += ["rl.object_store_mb"] if rl.object_store_mb else []
     raise ConfigError(
-        f"rl.num_workers={rl.num_workers}: {procs} rollout worker process(es) need at least "
+        f"{prefix}rl.num_workers={rl.num_workers}: {procs} rollout worker process(es) need at least "
         f"{procs * each >> 20} MiB ({each >> 20} MiB each: runtime, weights and cache), more than the "
         f"{max(avail, 0) >> 20} MiB available here{' beside ' + ' and '.join(beside) if beside else ''}: "
         f"give at most {fit}, a smaller rl.decode_batch or rl.max_context, or join a cluster "
@@ -309,5 +309,5 @@ def check_learner(cfg: Config, prefix: str = "") -> dict:
                    f"{'rl.pack_length' if cfg.rl.pack_length else 'rl.max_context'})")
   learner = learner_host_bytes(cfg, got["floor"])
   if learner:
-    _check_workers(cfg, learner)
+    _check_workers(cfg, learner, prefix)
   return got

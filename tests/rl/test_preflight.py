@@ -68,12 +68,20 @@ def test_an_address_where_nothing_listens_is_one_line_naming_the_field():
 
 
 def test_a_name_the_resolver_never_answers_for_is_refused_within_the_timeout(monkeypatch):
+  import threading
   import time
-  seen = []
-  monkeypatch.setattr(preflight.socket, "getaddrinfo", lambda *a, **k: seen.append(a) or time.sleep(30))
+  seen, release = [], threading.Event()
+
+  def hang(*a, **k):  # then fail as a resolver does, so the lookup thread ends quietly
+    seen.append(a)
+    release.wait(30)
+    raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+  monkeypatch.setattr(preflight.socket, "getaddrinfo", hang)
   t0 = time.monotonic()
   with pytest.raises(ConfigError) as e:
     preflight.check(load_config(None, ["rl.ray_address=head.example:6379"]), timeout_s=0.5)
+  release.set()
   assert time.monotonic() - t0 < 5 and seen[0][:2] == ("head.example", 6379)
   assert str(e.value) == ("rl.ray_address='head.example:6379': looking up 'head.example' took over "
                           "0.5 s: check the name and this machine's DNS, or give the head's IP address")
@@ -305,6 +313,9 @@ def test_on_cpu_the_workers_get_the_memory_the_learners_largest_step_leaves(monk
   with pytest.raises(ConfigError) as e:
     preflight.check_learner(cfg3)
   assert f"available here beside the learner's step ({learner >> 20} MiB): give at most 2," in str(e.value)
+  with pytest.raises(ConfigError) as e:  # under `composer-jax run` the refusal names the override list
+    preflight.check_learner(cfg3, "run.rl_overrides: ")
+  assert str(e.value).startswith("run.rl_overrides: rl.num_workers=3: 3 rollout worker process(es)")
   assert "learner" not in _error("rl.num_workers=3")  # the config-time check reads no device
   # Workers on a cluster, or a learner on an accelerator, take nothing from this host's workers.
   assert preflight.learner_host_bytes(load_config(None, ["rl.ray_address=10.0.0.1:6379"]), floor) == 0
