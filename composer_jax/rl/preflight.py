@@ -230,22 +230,53 @@ def worker_bytes(cfg: Config) -> dict:
   """Host memory one rollout worker process needs at least: the runtime, the broadcast weights (the
   receiver keeps them on the host for delta updates; on CPU the device arrays alias them) and, on a
   CPU sampler, the latent cache of ``rl.decode_batch`` slots. A gang's member holds its share."""
+  rl = cfg.rl
+  params, cache = _policy_and_cache_bytes(cfg)
+  cache = int(CACHE_COPIES * cache) if rl.worker_platform == "cpu" else 0
+  share = (params + cache) // rl.worker_hosts
+  return {"runtime": WORKER_RUNTIME_MB << 20, "params": params, "cache": cache,
+          "total": (WORKER_RUNTIME_MB << 20) + share}
+
+
+def _policy_and_cache_bytes(cfg: Config) -> tuple[int, int]:
+  """(bytes of the policy as broadcast: parameters and the rest, such as the router bias; bytes of a
+  sampler's latent cache of ``rl.decode_batch`` slots at ``rl.max_context``, with the MTP depth's
+  when it drafts)."""
   import jax
   from flax import nnx
 
   from composer_jax.model.build import abstract_model, model_config
-  from composer_jax.model.cache import init_cache
+  from composer_jax.model.cache import Cache, init_cache, init_layer_cache
   m, rl = model_config(cfg), cfg.rl
   nbytes = lambda tree: sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                             for x in jax.tree.leaves(tree))
-  params = nbytes(nnx.state(abstract_model(m)))  # the broadcast: parameters and the rest (router bias)
-  cache = 0
-  if rl.worker_platform == "cpu":
-    shapes = jax.eval_shape(lambda: init_cache(m, rl.decode_batch, rl.max_context or m.max_seq_len))
-    cache = int(CACHE_COPIES * nbytes(shapes))
-  share = (params + cache) // rl.worker_hosts
-  return {"runtime": WORKER_RUNTIME_MB << 20, "params": params, "cache": cache,
-          "total": (WORKER_RUNTIME_MB << 20) + share}
+  n, length = rl.decode_batch, rl.max_context or m.max_seq_len
+  cache = nbytes(jax.eval_shape(lambda: init_cache(m, n, length)))
+  if rl.speculative_mtp:
+    cache += nbytes(jax.eval_shape(lambda: Cache((init_layer_cache(m, n, length),))))
+  return nbytes(nnx.state(abstract_model(m))), cache
+
+
+def learner_extras(cfg: Config, step_params: int) -> dict:
+  """{what: (bytes per device, devices)} the learner job holds beside its step, at least: its own
+  sampler's cache (for sync rollouts and the evaluations; ``RLRun``), whole on one device with
+  ``rl.learner_sampler=leader`` and ``rl.worker_devices`` <= 1, a copy of the policy for that sampler
+  where it is not the trainer's arrays, and the frozen policy of ``rl.kl_coef`` or a frozen feedback
+  teacher (``step_params``: the trainer's parameter bytes per device). Each is split as evenly as
+  its layout allows, so the sum stays a floor for the learner's first device, which holds them all."""
+  import jax
+  rl = cfg.rl
+  params, cache = _policy_and_cache_bytes(cfg)
+  on_mesh = rl.learner_sampler == "mesh"
+  n = jax.device_count() if on_mesh else max(rl.worker_devices, 1)
+  where = "split over the trainer's mesh" if on_mesh else f"on {n} device(s) of the leader"
+  out = {f"the learner's own sampler's cache ({where}: rl.decode_batch x rl.max_context)":
+         (-(-cache // n), n)}
+  if not on_mesh and (n > 1 or jax.process_count() > 1):  # else the sampler reads the trainer's arrays
+    out[f"its copy of the policy ({where})"] = (-(-params // n), n)
+  if rl.kl_coef > 0 or (rl.feedback_kl_coef > 0 and rl.feedback_teacher == "frozen"):
+    out["the frozen policy (rl.kl_coef, rl.feedback_teacher=frozen)"] = (step_params, jax.device_count())
+  return out
 
 
 def _check_workers(cfg: Config, learner: int = 0, prefix: str = "") -> None:
@@ -288,26 +319,34 @@ def learner_shape(cfg: Config, n_devices: int | None = None) -> tuple[int, int]:
   return rl.pack_length or rl.max_context, -(-rows // quantum)
 
 
-def learner_host_bytes(cfg: Config, floor: int) -> int:
-  """Host memory the learner's step of ``floor`` bytes per device takes beside local workers: the
-  floor on every local device when those are CPU devices (they share the host), else none. It reads
-  the devices, so it runs after ``jax.distributed`` has started (``check_learner``)."""
+def learner_host_bytes(cfg: Config, got: dict) -> int:
+  """Host memory the learner takes beside local workers: ``check_fits``'s need (``got``) on every
+  local device when those are CPU devices (they share the host), else none. It reads the devices,
+  so it runs after ``jax.distributed`` has started (``check_learner``)."""
   import jax
   rl = cfg.rl
   # Local workers are process 0's (the leader's); another learner process's host holds none.
   local = rl.async_ and ray_address(rl) in ("", "local") and jax.process_index() == 0
-  return floor * len(jax.local_devices()) if local and jax.default_backend() == "cpu" else 0
+  if not local or jax.default_backend() != "cpu":
+    return 0
+  n = len(jax.local_devices())
+  return got["floor"] * n + sum(each * min(devs, n) for each, devs in got["extra"].values())
 
 
 def check_learner(cfg: Config, prefix: str = "") -> dict:
-  """The learner's RL step must fit its devices (``train/fit.py``), before any weight is made; on
-  CPU devices its floor comes off the memory that local rollout workers may take."""
+  """The learner's RL step, with what the learner job holds beside it (``learner_extras``), must fit
+  its devices (``train/fit.py``), before any weight is made; on CPU devices that need comes off the
+  memory that local rollout workers may take."""
+  rl = cfg.rl
   length, rows = learner_shape(cfg)
+  fixes = "a smaller rl.decode_batch or rl.max_context" + (
+      "" if rl.learner_sampler == "mesh" else ", rl.learner_sampler=mesh or more rl.worker_devices")
   got = check_fits(cfg, length, rows, f"{prefix}the RL learner's step of {rows} row(s) of {length} tokens "
                    f"per batch shard per micro-step (rl.tasks_per_step x rl.group_size"
-                   f"{' + rl.sft_mix_rows' if cfg.rl.sft_mix_coef > 0 else ''}, at "
-                   f"{'rl.pack_length' if cfg.rl.pack_length else 'rl.max_context'})")
-  learner = learner_host_bytes(cfg, got["floor"])
+                   f"{' + rl.sft_mix_rows' if rl.sft_mix_coef > 0 else ''}, at "
+                   f"{'rl.pack_length' if rl.pack_length else 'rl.max_context'})",
+                   extra=lambda parts: learner_extras(cfg, parts["params"]), extra_fixes=fixes)
+  learner = learner_host_bytes(cfg, got)
   if learner:
     _check_workers(cfg, learner, prefix)
   return got

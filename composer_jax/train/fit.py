@@ -99,24 +99,29 @@ def step_floor(cfg: Config, seq_len: int, batch: int | None = None,
 
 
 def check_fits(cfg: Config, seq_len: int, batch: int | None, what: str,
-               available: tuple[int, str] | None = None) -> dict:
+               available: tuple[int, str] | None = None, extra=None, extra_fixes: str = "") -> dict:
   """Raise a one-line ConfigError when ``step_floor`` exceeds ``available`` (default: the local
   devices' memory, ``device_memory_bytes``); ``what`` says which step (e.g. "a data.seq_len=4096
-  step"). Returns the floor."""
+  step"). ``extra(parts)`` gives {what: (bytes per device, devices)} held beside the step on its
+  first device (the RL learner's sampler: ``rl/preflight.learner_extras``), and ``extra_fixes`` the
+  fields that shrink them. Returns the floor, with ``extra`` and ``need`` (floor + extras)."""
   got = step_floor(cfg, seq_len, batch)
+  got["extra"] = extra(got["parts"]) if extra else {}
+  got["need"] = got["floor"] + sum(each for each, _ in got["extra"].values())
   have, where = available or device_memory_bytes()
-  if got["floor"] <= have:
+  if got["need"] <= have:
     return got
   b = got["parts"]
   gib = lambda n: f"{n / 2**30:.2f}"
   mesh = " x ".join(f"{a}={s}" for a, s in got["mesh"].items() if s > 1) or "one device"
+  beside = "".join(f", {name} {gib(each)}" for name, (each, _) in got["extra"].items() if each)
   raise ConfigError(
-      f"{what} needs at least {gib(got['floor'])} GiB per device (params {gib(b['params'])}, "
+      f"{what} needs at least {gib(got['need'])} GiB per device (params {gib(b['params'])}, "
       f"optimizer {gib(b['optimizer'])}, gradients {gib(b['gradients'])}, half the activations "
-      f"{gib(max(b['activations'], b['update']) // 2)}; mesh {mesh}), more than the {where}: spread "
-      f"it over more devices (mesh.fsdp, mesh.expert), or set model.remat=full, or a smaller batch "
-      f"per micro-step (train.grad_accum), or plan a layout with `composer-jax params CONFIG "
-      f"--sharding --devices N --search`")
+      f"{gib(max(b['activations'], b['update']) // 2)}{beside}; mesh {mesh}), more than the {where}: "
+      f"spread it over more devices (mesh.fsdp, mesh.expert), or set model.remat=full, or a smaller "
+      f"batch per micro-step (train.grad_accum){', or ' + extra_fixes if extra_fixes and beside else ''}, "
+      f"or plan a layout with `composer-jax params CONFIG --sharding --devices N --search`")
 
 
 def check_training(cfg: Config, prefix: str = "") -> dict:

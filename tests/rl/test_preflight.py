@@ -286,7 +286,7 @@ def test_an_rl_learner_step_that_cannot_fit_is_refused_before_the_run_writes(wor
     pytest.skip("bubblewrap cannot run here (apt-get install -y bubblewrap)")
   _, init, tasks = world
   cfg = load_config(None, MODEL + RL + [f"rl.tasks={tasks}"])
-  need = preflight.check_learner(cfg)["floor"]  # fits this machine
+  need = preflight.check_learner(cfg)["need"]  # fits this machine
   monkeypatch.setattr(fit, "device_memory_bytes", lambda: (need - 1, "test device"))
   out = tmp_path / "rl"
   with pytest.raises(ConfigError) as e:
@@ -302,9 +302,11 @@ def test_on_cpu_the_workers_get_the_memory_the_learners_largest_step_leaves(monk
 
   from composer_jax.train import fit
   cfg = load_config(None, [])
-  floor = fit.step_floor(cfg, *preflight.learner_shape(cfg))["floor"]
-  learner = floor * len(jax.local_devices())
-  assert preflight.learner_host_bytes(cfg, floor) == learner > 0
+  got = fit.step_floor(cfg, *preflight.learner_shape(cfg))
+  got["extra"] = preflight.learner_extras(cfg, got["parts"]["params"])
+  (cache, _), = got["extra"].values()  # the learner's own sampler's cache, whole on one device
+  learner = got["floor"] * len(jax.local_devices()) + cache
+  assert preflight.learner_host_bytes(cfg, got) == learner > cache > 0
   each = preflight.worker_bytes(cfg)["total"]
   monkeypatch.setattr(preflight, "available_memory_bytes", lambda: learner + 2 * each + (1 << 20))
   monkeypatch.setattr(fit, "available_memory_bytes", lambda: 64 << 30)  # the step itself fits
@@ -318,7 +320,43 @@ def test_on_cpu_the_workers_get_the_memory_the_learners_largest_step_leaves(monk
   assert str(e.value).startswith("run.rl_overrides: rl.num_workers=3: 3 rollout worker process(es)")
   assert "learner" not in _error("rl.num_workers=3")  # the config-time check reads no device
   # Workers on a cluster, or a learner on an accelerator, take nothing from this host's workers.
-  assert preflight.learner_host_bytes(load_config(None, ["rl.ray_address=10.0.0.1:6379"]), floor) == 0
+  assert preflight.learner_host_bytes(load_config(None, ["rl.ray_address=10.0.0.1:6379"]), got) == 0
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert preflight.learner_host_bytes(cfg3, floor) == 0
+  assert preflight.learner_host_bytes(cfg3, got) == 0
   preflight.check_learner(cfg3)
+
+
+def test_the_learner_jobs_sampler_and_frozen_policy_count_beside_its_step(monkeypatch):
+  """Beside its step the learner job holds its own sampler's latent cache (sync rollouts, the
+  evaluations), a copy of the policy for that sampler unless it reads the trainer's arrays, and the
+  frozen policy of rl.kl_coef: counted per device as evenly as each layout splits, against an
+  independent count of the cache's arrays."""
+  import jax
+
+  from composer_jax.train import fit
+  cfg = load_config(None, [])
+  m, rl = cfg.model, cfg.rl
+  layer = rl.decode_batch * rl.max_context * (m.kv_lora_rank + m.qk_rope_dim) * 4 + rl.decode_batch * 4
+  cache, params = m.n_layers * layer, preflight.worker_bytes(cfg)["params"]
+  name = "the learner's own sampler's cache (on 1 device(s) of the leader: rl.decode_batch x rl.max_context)"
+  assert preflight.learner_extras(cfg, 123) == {name: (cache, 1)}  # one process: the trainer's arrays
+  kl = preflight.learner_extras(load_config(None, ["rl.kl_coef=0.1"]), 123)
+  assert kl["the frozen policy (rl.kl_coef, rl.feedback_teacher=frozen)"] == (123, jax.device_count())
+  four = preflight.learner_extras(load_config(None, ["rl.worker_devices=4"]), 123)
+  assert sorted(four.values()) == sorted([(-(-cache // 4), 4), (-(-params // 4), 4)])
+  n = jax.device_count()
+  assert list(preflight.learner_extras(load_config(None, ["rl.learner_sampler=mesh"]), 123).values()) == [
+      (-(-cache // n), n)]
+  # The refusal: exactly the step and its extras fit; a byte less is one line naming the cache and
+  # the fields that shrink it.
+  got = preflight.check_learner(cfg)
+  assert got["need"] == got["floor"] + cache
+  monkeypatch.setattr(fit, "device_memory_bytes", lambda: (got["need"], "test device"))
+  preflight.check_learner(cfg)
+  monkeypatch.setattr(fit, "device_memory_bytes", lambda: (got["need"] - 1, "test device"))
+  with pytest.raises(ConfigError) as e:
+    preflight.check_learner(cfg, "run.rl_overrides: ")
+  msg = str(e.value)
+  assert "\n" not in msg and msg.startswith("run.rl_overrides: the RL learner's step of ")
+  assert f", {name} {cache / 2**30:.2f}; mesh " in msg
+  assert "or a smaller rl.decode_batch or rl.max_context, rl.learner_sampler=mesh or more rl.worker_devices" in msg
