@@ -200,7 +200,8 @@ class Episode:
     try:  # a workspace past its budget is not copied for grading: the flag zeroes it anyway
       result = (GradeResult(0.0, False, {"not_graded": over.evidence}) if over else
                 grade(task, self.ws, self.grade_limits, self.mode))
-    except OSError as e:  # one the host cannot copy (chmod 000 under a non-root host user) fails
+    except (OSError, RecursionError) as e:  # one the host cannot copy (chmod 000 under a non-root
+      # host user; folders nested past Python 3.11's recursive copytree) fails
       result = GradeResult(0.0, False, {"not_graded": f"the workspace could not be graded: "
                                                       f"{type(e).__name__}: {e}"[:400]})
     finally:

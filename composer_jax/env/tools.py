@@ -11,12 +11,14 @@ import dataclasses
 import fnmatch
 import os
 import re
+import re._constants as _sre
+import re._parser as _sre_parse
 import shutil
 import time
 
 import regex
 
-from composer_jax.env import guards
+from composer_jax.env import guards, quota
 from composer_jax.env.protocol import Arg, ToolCall, ToolSpec
 from composer_jax.env.sandbox import Sandbox, clip_output
 
@@ -47,6 +49,55 @@ SPECS: dict[str, ToolSpec] = {s.name: s for s in (
 
 SKIP_DIRS = {".git", "__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox", ".venv",
              "node_modules", ".deps"}
+
+
+# ``regex`` writes a counted repeat out in full when it compiles (``(?:a{1000}){1000}`` holds a million
+# items, 260 MB; one more level ran the host out of memory in a second), and the search runs on the
+# host, outside every sandbox bound and before its deadline starts. 5-10 MB at this bound.
+MAX_PATTERN_ITEMS = 20_000
+_REPEATS = (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT)
+
+
+def pattern_items(pattern: str) -> int:
+  """About how many items ``regex`` builds for ``pattern``: nested repeat counts (the minimum, the
+  one it writes out) multiply. Syntax ``re`` cannot parse counts every ``{m`` as nested."""
+  try:
+    tree = _sre_parse.parse(pattern)
+  except (re.error, RecursionError, OverflowError, ValueError):
+    n = 1
+    for m in re.findall(r"\{\s*(\d+)", pattern):
+      n *= max(int(m), 1)
+    return n
+
+  def inner(av):
+    if isinstance(av, _sre_parse.SubPattern):
+      yield av
+    elif isinstance(av, (tuple, list)):
+      for x in av:
+        yield from inner(x)
+
+  def items(sub) -> int:
+    total = 0
+    for op, av in sub:
+      n = sum(items(s) for s in inner(av))
+      total += max(av[0], 1) * max(n, 1) if op in _REPEATS else 1 + n
+    return total
+
+  try:
+    return items(tree)
+  except RecursionError:
+    return MAX_PATTERN_ITEMS + 1
+
+
+def utf8_text(text: str) -> str:
+  """``text`` as valid UTF-8. File names from ``os.listdir`` and ``os.walk`` keep bytes that are not
+  UTF-8 as lone surrogates (``touch $'x\\xff'``), and the tokenizer raises on those: a listing of such
+  a name made the RL rollout that encoded the observation fail."""
+  try:
+    raw = text.encode("utf-8", "surrogateescape")
+  except UnicodeEncodeError:
+    raw = text.encode("utf-8", "surrogatepass")
+  return raw.decode("utf-8", "replace")
 
 
 def _encodable(text: str) -> bool:
@@ -98,9 +149,10 @@ class ToolBox:
       ok = True
     except ToolError as e:
       text, ok = str(e), False
-    except (OSError, ValueError) as e:  # a tool's failure is the model's observation, never a crash
+    except (OSError, ValueError, RecursionError) as e:  # a tool's failure is the model's
+      # observation, never a crash (RecursionError: Python 3.11's recursive os/shutil helpers)
       text, ok = f"{type(e).__name__}: {e}", False
-    text, _ = clip_output(text, self.max_output_chars)
+    text, _ = clip_output(utf8_text(text), self.max_output_chars)
     return Observation(call.name, text, ok)
 
   def _resolve(self, path: str | None, write: bool = False) -> str:
@@ -142,8 +194,17 @@ class ToolBox:
       self._check_size(full)
       with open(full, encoding="utf-8", errors="replace", newline="") as f:
         old = f.read()
+    parent = os.path.dirname(full)
+    rel = os.path.relpath(parent, self.root)
+    depth = 0 if rel == "." else len(rel.split(os.sep))
+    # The sandbox stops a command that nests folders past quota.MAX_DEPTH; this write runs on the
+    # host, outside it: one ``create`` of d/d/.../x.py 900 deep made grading's copytree raise
+    # RecursionError out of Episode.close, failing the rollout.
+    if not os.path.isdir(parent) and depth > quota.MAX_DEPTH:
+      raise ToolError(f"{self._rel(full)}: {depth} folders deep, more than {quota.MAX_DEPTH}; use a "
+                      "shallower path")
     self.history.setdefault(full, []).append(old)
-    os.makedirs(os.path.dirname(full), exist_ok=True)
+    os.makedirs(parent, exist_ok=True)
     with open(full, "w", encoding="utf-8", newline="") as f:
       f.write(text)
 
@@ -258,9 +319,13 @@ class ToolBox:
   def _tool_search(self, pattern: str, path: str | None = None, glob: str | None = None) -> str:
     # It runs on the host, so a pattern that backtracks without end (``(a|aa)+$`` over a line of
     # a's: days under ``re``) would hang the worker: ``regex`` (re's syntax, V0) takes a deadline.
+    if pattern_items(pattern) > MAX_PATTERN_ITEMS:
+      raise ToolError(f"the pattern {pattern[:80]!r} repeats too much to compile (counted repeats "
+                      f"like {{1000}} multiply when nested); use smaller counts, or + and *")
     try:
-      rx = regex.compile(pattern, regex.V0)
-    except (regex.error, ValueError) as e:
+      rx = regex.compile(pattern, regex.V0, cache_pattern=False)  # not kept in the worker
+    except (regex.error, ValueError, RecursionError) as e:  # RecursionError: '(' * 3000, which a
+      # sampling loop writes, raised out of the tool and failed the rollout
       raise ToolError(f"bad regular expression {pattern!r}: {e}") from None
     full = self._resolve(path)
     deadline = time.monotonic() + self.search_timeout_s
