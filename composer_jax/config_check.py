@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import os
+
 from composer_jax.config import Config, ConfigError
 
 
@@ -45,6 +48,15 @@ def validate(cfg: Config) -> None:
   _require(m.mtp_depths >= 0, "model.mtp_depths must be >= 0")
   _require(m.rms_eps > 0, "model.rms_eps must be positive")
   _require(m.attention_block > 0, f"model.attention_block={m.attention_block} must be positive")
+  _require(m.attention_rows >= 0, f"model.attention_rows={m.attention_rows} must be >= 0 (0 = one plan a batch)")
+  # Zero or negative here trains on NaNs or inverted weights without a word: refuse them up front.
+  _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive (10000 is the usual base)")
+  _require(m.init_std > 0, f"model.init_std={m.init_std} must be positive (e.g. 0.02)")
+  _require(m.n_shared_experts >= 0, f"model.n_shared_experts={m.n_shared_experts} must be >= 0")
+  _require(m.routed_scaling_factor > 0, f"model.routed_scaling_factor={m.routed_scaling_factor} must be positive")
+  _require(m.mtp_loss_weight >= 0, f"model.mtp_loss_weight={m.mtp_loss_weight} must be >= 0")
+  _require(m.yarn_original_max_position >= 1,
+           f"model.yarn_original_max_position={m.yarn_original_max_position} must be >= 1")
   _require(not m.scan_layers or m.n_moe_layers > 0,
            f"model.scan_layers=true scans the MoE layers, but model.n_layers={m.n_layers} are all dense "
            f"(model.n_dense_layers={m.n_dense_layers}): set model.scan_layers=false")
@@ -65,6 +77,18 @@ def validate(cfg: Config) -> None:
            f"be >= 0 and, with data.sft_copy_share={d.sft_copy_share}, sum below 1 (the shares of SFT "
            "chats that are drills)")
   _require(d.tokenizer_train_mb > 0, "data.tokenizer_train_mb must be positive (e.g. 8)")
+  _require(len(d.sources) >= 1, "data.sources is empty: give at least one source, e.g. [stdlib]")
+  _require(all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in d.weights)
+           and (not d.weights or sum(d.weights) > 0),
+           f"data.weights={d.weights} must be numbers >= 0 with a positive sum (or [] for equal weights)")
+  _require(d.max_files >= 0, f"data.max_files={d.max_files} must be >= 0 (0 = no cap)")
+  _require(d.num_workers >= 0, f"data.num_workers={d.num_workers} must be >= 0")
+  if d.tokenizer_vocab_size:  # a BPE this small cannot hold the bytes, chat tokens and tool tags
+    from composer_jax.data.tokenizer import min_trained_vocab
+    low = min_trained_vocab()
+    _require(low <= d.tokenizer_vocab_size <= m.vocab_size,
+             f"data.tokenizer_vocab_size={d.tokenizer_vocab_size} must be in [{low}, model.vocab_size="
+             f"{m.vocab_size}] (0 = model.vocab_size)")
 
   mesh = cfg.mesh
   sizes = {a: getattr(mesh, a) for a in ("data", "fsdp", "expert", "tensor", "context")}
@@ -84,7 +108,14 @@ def validate(cfg: Config) -> None:
              "(load-balanced causal context parallelism)")
 
   o = cfg.optim
-  _require(o.lr > 0, "optim.lr must be positive")
+  _require(o.lr > 0 and math.isfinite(o.lr), f"optim.lr={o.lr} must be a positive finite number")
+  _require(o.eps > 0, f"optim.eps={o.eps} must be positive (e.g. 1e-8)")
+  _require(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0 (0 = off)")
+  _require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1] (the "
+           "schedule's floor as a share of optim.lr)")
+  _require(o.clip_norm >= 0, f"optim.clip_norm={o.clip_norm} must be >= 0 (0 = no clipping)")
+  _require(o.muon_ns_steps >= 1, f"optim.muon_ns_steps={o.muon_ns_steps} must be >= 1")
+  _require(0 <= o.muon_momentum < 1, f"optim.muon_momentum={o.muon_momentum} must be in [0, 1)")
   _require(0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1 and optim.b2 must be in [0, 1)")
   _require(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
   _require(o.qk_clip >= 0, f"optim.qk_clip={o.qk_clip} must be >= 0 (0 = off)")
@@ -92,6 +123,12 @@ def validate(cfg: Config) -> None:
   t = cfg.train
   _require(t.steps >= 0, "train.steps must be >= 0")
   _require(t.grad_accum >= 1, "train.grad_accum must be >= 1")
+  # log_every=0 would divide by zero at the first step, after the compile.
+  _require(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
+  _require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0 (0 = only at the end)")
+  _require(t.eval_batches >= 0, f"train.eval_batches={t.eval_batches} must be >= 0")
+  _require(cfg.checkpoint.every >= 0, f"checkpoint.every={cfg.checkpoint.every} must be >= 0 (0 = only "
+           "at the end)")
   _require(d.batch_size % t.grad_accum == 0,
            f"data.batch_size={d.batch_size} must be divisible by train.grad_accum={t.grad_accum}")
   _require(cfg.checkpoint.keep >= 1, "checkpoint.keep must be >= 1")
@@ -144,6 +181,7 @@ def validate(cfg: Config) -> None:
   _require(0 < r.top_p <= 1, f"rl.top_p={r.top_p} must be in (0, 1] (1 = off)")
   _require(not r.speculative_mtp or m.mtp_depths >= 1, "rl.speculative_mtp=true drafts with the MTP "
            "head, but model.mtp_depths=0: set model.mtp_depths >= 1 or rl.speculative_mtp=false")
+  _require(r.max_context >= 1, f"rl.max_context={r.max_context} must be >= 0 (0 = model.max_seq_len)")
   _require(r.max_context <= m.max_seq_len, f"rl.max_context={r.max_context} exceeds model.max_seq_len="
            f"{m.max_seq_len}: raise model.max_seq_len or lower rl.max_context")
   _require(r.summary_trigger_tokens < r.max_context, f"rl.summary_trigger_tokens="
@@ -163,6 +201,7 @@ def validate(cfg: Config) -> None:
                "eval_overrides"):
     _require(all(isinstance(o, str) and "=" in o for o in getattr(u, name)),
              f"run.{name} must be a list of 'section.key=value' strings")
+  _check_templates(u)
   _require(u.anneal_steps >= 0, f"run.anneal_steps={u.anneal_steps} must be >= 0 (0 = no anneal phase)")
   _require(u.rl_tasks >= 0, f"run.rl_tasks={u.rl_tasks} must be >= 0 (0 = RL on the SFT tasks)")
   _require(0.0 <= u.expert_recover <= 1.0,
@@ -170,3 +209,35 @@ def validate(cfg: Config) -> None:
   _require(cfg.eval.workers >= 1, f"eval.workers={cfg.eval.workers} must be >= 1")
   _require(all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in cfg.eval.k),
            f"eval.k={cfg.eval.k} must be a list of positive integers, e.g. [1, 5]")
+
+
+def _check_templates(u) -> None:
+  """run.train_templates / run.unseen_templates name known synthetic templates of the right split:
+  a typo would otherwise fail at the tasks stage, after pretraining."""
+  from composer_jax.env.synthetic import TEMPLATES
+  for name, split in (("train_templates", "train"), ("unseen_templates", "heldout")):
+    names = [n.strip() for n in getattr(u, name).split(",") if n.strip()]
+    _require(bool(names), f"run.{name} is empty: give comma-separated templates, e.g. "
+             f"{','.join(t for t, v in TEMPLATES.items() if v.split == split)}")
+    for n in names:
+      _require(n in TEMPLATES, f"run.{name}: unknown template {n!r}; choose from {', '.join(TEMPLATES)}")
+      _require(TEMPLATES[n].split == split, f"run.{name}: {n} is a {TEMPLATES[n].split} template; "
+               f"run.{name} takes {split} ones ({', '.join(t for t, v in TEMPLATES.items() if v.split == split)})")
+
+
+# What a training or RL run folder holds (train/loop.py, rl/loop.py) once it has started.
+RUN_FILES = ("config.yaml", "checkpoints", "metrics.jsonl", "tokenizer.json")
+
+
+def check_out(out: str, flag: str = "--out", runs: bool = True) -> None:
+  """An output folder: missing, empty or (``runs``) a run's own; never a file, and never a folder of
+  other files that a run would write its config, tokenizer and checkpoints among (a base's, say)."""
+  _require(not os.path.exists(out) or os.path.isdir(out),
+           f"{flag} {out} is a file: give a directory (a new one, or a run's to continue)")
+  if not runs or not os.path.isdir(out) or not os.listdir(out):
+    return
+  _require(not os.path.exists(os.path.join(out, "config.json")) and not os.path.isdir(
+      os.path.join(out, "params")), f"{flag} {out} is a checkpoint folder (config.json or params/), "
+           "not a run: choose a new --out")
+  _require(any(os.path.exists(os.path.join(out, n)) for n in RUN_FILES),
+           f"{flag} {out} holds files but no run (no {', '.join(RUN_FILES)}): choose a new or empty --out")

@@ -177,13 +177,17 @@ def _deep_merge(base: dict, over: dict) -> dict:
 def read_yaml(path: str, seen: tuple = ()) -> dict:
   if not os.path.exists(path):
     raise ConfigError(f"config file {path!r} does not exist: pass a path such as configs/tiny.yaml")
+  if os.path.isdir(path):
+    raise ConfigError(f"config file {path!r} is a directory: pass a YAML file such as configs/tiny.yaml")
   if path in seen:
     raise ConfigError(f"{path}: 'base' includes itself")
   with open(path) as f:
     try:
-      data = _load_yaml(f) or {}
+      data = _load_yaml(f)
     except yaml.YAMLError as e:
       raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+  if data is None:  # an empty file would run every default (a stray or truncated path)
+    raise ConfigError(f"{path}: the file is empty: give at least one section, e.g. 'base: tiny.yaml'")
   if not isinstance(data, dict):
     raise ConfigError(f"{path}: the top level must be a mapping of sections")
   base = data.pop("base", None)
@@ -203,6 +207,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     parts = key.strip().split(".")
     if len(parts) < 2:
       raise ConfigError(f"override {key!r} must name a section and a key, e.g. train.steps=10")
+    if not all(parts):
+      raise ConfigError(f"override {key!r} has an empty name between dots: write section.key=value, "
+                        "e.g. train.steps=10")
     value = _Text(raw.strip())
     try:  # a plain scalar stays text; a list, mapping or quoted string is kept as read
       loaded = _load_yaml(raw) if raw.strip() else value

@@ -367,23 +367,73 @@ def resolve_beside(path: str, config_path: str | None) -> str:
   return beside if os.path.exists(beside) else path
 
 
+def checked_stage(cfg: Config, name: str, overrides: list[str]) -> Config:
+  """``stage_config``, its one-line error naming the run.* list the bad override came from."""
+  try:
+    return stage_config(cfg, overrides)
+  except ConfigError as e:
+    raise ConfigError(f"run.{name}: {e}") from None
+
+
+def check_stage_models(stages: dict[str, Config]) -> None:
+  """Each stage starts from the one before it, so every stage's model must be the pretraining
+  stage's: a model.* override in one stage's list would fail when its weights are read, minutes in."""
+  from composer_jax.train.init import ARCH_FIELDS
+  first = stages["pretrain_overrides"].model
+  for name, c in stages.items():
+    for k in ARCH_FIELDS:
+      if getattr(c.model, k) != getattr(first, k):
+        raise ConfigError(f"run.{name}: model.{k}={getattr(c.model, k)!r} differs from the pretraining "
+                          f"stage's {getattr(first, k)!r}, whose weights it starts from: set model.{k} "
+                          "for every stage (the config's model section), not in one stage's list")
+
+
+def check_run_out(cfg: Config, out: str, resume: bool) -> None:
+  """--out: new or empty; with --resume, a run of this job (its config.yaml) of the same model. Other
+  fields may change on --resume (re-running a later stage with new overrides), the model may not:
+  the finished stages' weights are of the saved one."""
+  from composer_jax.config_check import check_out
+  check_out(out, runs=False)
+  if not os.path.isdir(out) or not os.listdir(out):
+    return
+  if not resume:
+    raise ConfigError(f"--out {out} is not empty: pass --resume to continue it, or choose a new --out")
+  saved = os.path.join(out, "config.yaml")
+  if not os.path.isfile(saved):
+    raise ConfigError(f"--resume: --out {out} holds files but is not a run of `composer-jax run` (no "
+                      "config.yaml): choose a new or empty --out")
+  from composer_jax.config import load_config
+  from composer_jax.train.init import ARCH_FIELDS
+  there = load_config(saved).model
+  for k in ARCH_FIELDS:
+    if getattr(there, k) != getattr(cfg.model, k):
+      raise ConfigError(f"--resume: {saved} has model.{k}={getattr(there, k)!r} but this config has "
+                        f"{getattr(cfg.model, k)!r}: set model.{k}={getattr(there, k)} or choose a new --out")
+
+
 def _main(args) -> int:
   from composer_jax.config import load_config
   from composer_jax.parallel.mesh import maybe_initialize_distributed
   cfg = load_config(args.config, args.overrides)
-  for name in ("sft_overrides", "pretrain_overrides", "eval_overrides"):
-    stage_config(cfg, getattr(cfg.run, name))  # a bad stage override fails now, in one line
-  stage_config(cfg, anneal_overrides(cfg, list(cfg.run.sft_overrides)))
+  stages = {name: checked_stage(cfg, name, getattr(cfg.run, name))  # a bad stage override: one line now
+            for name in ("pretrain_overrides", "sft_overrides", "eval_overrides")}
+  stages["anneal_overrides"] = checked_stage(cfg, "anneal_overrides",
+                                             anneal_overrides(cfg, list(cfg.run.sft_overrides)))
   from composer_jax.rl import preflight
   from composer_jax.train import fit
-  rl_cfg = stage_config(cfg, ["rl.sft_mix_path=sft/trajectories.jsonl"] + list(cfg.run.rl_overrides))
+  rl_cfg = checked_stage(cfg, "rl_overrides",
+                         ["rl.sft_mix_path=sft/trajectories.jsonl"] + list(cfg.run.rl_overrides))
+  check_stage_models({**{k: v for k, v in stages.items() if k != "eval_overrides"}, "rl_overrides": rl_cfg})
+  check_run_out(cfg, args.out, args.resume)
   # The RL stage's Ray (cluster address, object store, pinned cores), now rather than 15 min in.
   preflight.check(rl_cfg)
   if cfg.run.base:  # before any stage: a wrong base is one line, not a failed pretraining stage
     from composer_jax.train.init import check_base
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, base=resolve_beside(
         cfg.run.base, args.config)))
-    check_base(cfg.run.base, cfg.model)
+    # the pretraining stage's model: run.pretrain_overrides may change it (check_stage_models
+    # then holds the later stages to it)
+    check_base(cfg.run.base, stages["pretrain_overrides"].model)
   from composer_jax.env.sandbox import SandboxError, require_isolation
   try:
     require_isolation(cfg.env.sandbox, "the main job (model-driven evaluation and RL)")

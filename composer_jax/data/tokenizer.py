@@ -114,6 +114,11 @@ def tool_tags() -> list[str]:
   return protocol.tag_tokens(SPECS)
 
 
+def min_trained_vocab() -> int:
+  """The smallest ``train_bpe`` size: the chat special tokens, the 256 bytes and the tool tags."""
+  return len(chat.SPECIAL_TOKENS) + 256 + len(tool_tags())
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
   """Byte-level BPE over ``texts`` with the chat special tokens first (ids 0..n-1) and the tool-call
   tags last (the final ``len(tool_tags())`` ids), ``vocab_size`` tokens in all.

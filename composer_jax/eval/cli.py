@@ -29,7 +29,9 @@ def _eval(args) -> int:
     make_policy_factory,
     run_eval,
   )
+  from composer_jax.config_check import check_out
   cfg = load_config(args.config, args.overrides)
+  check_out(args.out, runs=False)  # a folder of its own files: only a file in the way is refused
   samples = cfg.eval.samples if args.samples is None else args.samples
   if samples < 1:
     raise ConfigError(f"--samples {samples} must be >= 1")

@@ -25,7 +25,9 @@ def register(sub) -> None:
 
 def run(args) -> int:
   from composer_jax.config import load_config
+  from composer_jax.config_check import check_out
   cfg = load_config(args.config, args.overrides)
+  check_out(args.out)
   ck = os.path.join(args.out, "checkpoints")
   if not args.resume and os.path.isdir(ck) and any(n.isdigit() for n in os.listdir(ck)):
     raise ConfigError(f"--out {args.out} already holds checkpoints: pass --resume to continue, "
@@ -33,10 +35,8 @@ def run(args) -> int:
   if not args.resume and not args.init:
     raise ConfigError("rl starts from a trained policy: pass --init RUN_DIR (an sft or pretrain run)")
   if args.init:
-    from composer_jax.train.checkpoint import find_checkpoint
-    d, _ = find_checkpoint(args.init)
-    if not os.path.isdir(d):
-      raise ConfigError(f"--init {args.init!r} is not a run directory or checkpoint step directory")
+    from composer_jax.train.init import check_run_init
+    check_run_init(args.init)
   from composer_jax.rl.loop import load_task_set
   load_task_set(cfg.rl.tasks, "rl.tasks")  # a bad folder fails here, before anything compiles
   from composer_jax.rl import preflight

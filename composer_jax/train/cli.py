@@ -48,8 +48,12 @@ def register(sub) -> None:
 
 def _prepare(args, extra: list[str] = ()):
   from composer_jax.config import apply_overrides, from_dict, load_config
+  from composer_jax.config_check import check_out
   overrides = list(args.overrides) + list(extra)
   cfg = load_config(args.config, overrides)
+  check_out(args.out)
+  if args.cpu_devices < 0:
+    raise ConfigError(f"--cpu-devices {args.cpu_devices} must be >= 0 (0 = the real devices)")
   if args.init:
     # A converted or HF folder carries its architecture: it replaces the YAML's model section,
     # and the command line's model.* overrides (dtypes, remat, ...) apply on top.
@@ -69,11 +73,8 @@ def _prepare(args, extra: list[str] = ()):
     raise ConfigError(f"--out {args.out} already holds checkpoints: pass --resume to continue, "
                       "or choose a new --out")
   if args.init and init_kind(args.init) == "run":
-    from composer_jax.train.checkpoint import find_checkpoint
-    d, _ = find_checkpoint(args.init)
-    if not os.path.isdir(d):
-      raise ConfigError(f"--init {args.init!r} is not a run, checkpoint step, converted "
-                        "(convert --from-hf) or HF directory")
+    from composer_jax.train.init import check_run_init
+    check_run_init(args.init)
   if args.cpu_devices:
     from composer_jax.parallel.mesh import set_cpu_devices
     set_cpu_devices(args.cpu_devices)
@@ -97,6 +98,9 @@ def _init_run_config(init: str) -> dict:
   from composer_jax.train.checkpoint import find_checkpoint
   from composer_jax.train.init import init_kind, model_section
   kind = init_kind(init)
+  if kind == "run":
+    from composer_jax.train.init import check_run_init
+    check_run_init(init)
   if kind != "run":  # converted / HF: the length the checkpoint supports is the one to extend
     model = model_section(init, kind)
     return {"data": {"seq_len": model["max_seq_len"]}, "model": model}
@@ -133,8 +137,8 @@ def extend(args) -> int:
 
 def sft(args) -> int:
   cfg = _prepare(args)
-  if not cfg.data.sft_path or not os.path.exists(cfg.data.sft_path):
-    raise ConfigError(f"data.sft_path={cfg.data.sft_path!r} does not exist: pass "
+  if not cfg.data.sft_path or not os.path.isfile(cfg.data.sft_path):
+    raise ConfigError(f"data.sft_path={cfg.data.sft_path!r} is not a file: pass "
                       "data.sft_path=FILE.jsonl (chat trajectories)")
   from composer_jax.data.sft import read_trajectories
   read_trajectories(cfg.data.sft_path)  # format errors surface before anything compiles

@@ -36,6 +36,22 @@ def init_kind(path: str) -> str:
   return "run"
 
 
+def check_run_init(path: str, flag: str = "--init") -> None:
+  """A run-kind ``--init`` holds a checkpoint step: one line now, not a failed restore after the
+  output folder has its tokenizer and an empty checkpoints/ (train/loop.py builds those first)."""
+  from composer_jax.train.checkpoint import find_checkpoint
+  d, step = find_checkpoint(path)
+  if not os.path.isdir(d):
+    raise ConfigError(f"{flag} {path!r} is not a run, checkpoint step, converted (convert --from-hf) "
+                      "or HF directory")
+  if step is None and os.path.basename(d) != "checkpoints":
+    raise ConfigError(f"{flag} {path!r} is not a run directory (no checkpoints/): give a trained run "
+                      "or one of its checkpoint step folders")
+  if step is None and not any(n.isdigit() for n in os.listdir(d)):
+    raise ConfigError(f"{flag} {path!r} holds no checkpoint step yet ({d} is empty of steps): give a "
+                      "run that has saved one, or one of its step folders")
+
+
 def model_section(path: str, kind: str) -> dict | None:
   """The model config (as a dict) of a converted / HF folder; None for a run."""
   if kind == "hf":

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from composer_jax.config import Config, ConfigError, dump_config
 from composer_jax.data import pipeline, sources
-from composer_jax.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from composer_jax.data.tokenizer import Tokenizer, load_tokenizer, min_trained_vocab, train_bpe
 from composer_jax.parallel.multihost import (
   barrier,
   gather_state,
@@ -89,6 +89,9 @@ def get_tokenizer(cfg: Config, out_dir: str, corpus_texts: Callable[[], list[str
     tok = load_tokenizer(path)
   elif cfg.data.tokenizer == "train":
     size = cfg.data.tokenizer_vocab_size or cfg.model.vocab_size
+    if size < min_trained_vocab():  # a model this small may load a tokenizer, but not train one
+      raise ConfigError(f"model.vocab_size={size} is too small to train a tokenizer: give at least "
+                        f"{min_trained_vocab()}, or a tokenizer file in data.tokenizer")
     t0 = time.perf_counter()
     tok = train_bpe(_training_sample(corpus_texts(), int(cfg.data.tokenizer_train_mb * 2**20)), size)
     _log(f"trained a {tok.vocab_size}-token BPE in {time.perf_counter() - t0:.1f}s")
