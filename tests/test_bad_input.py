@@ -173,6 +173,8 @@ def test_a_model_too_small_to_train_a_tokenizer_stops_before_the_corpus(tmp_path
     (["extend", TINY, "--out", "{new}", "--init", "{new}", "--seq-len", "256"], "not a run"),
     (["rl", TINY, "--out", "{new}", "--init", "configs/tiny-base"], "not a run directory"),
     (["eval", "--tasks", "{other}", "--policy", "oracle", "--out", "{file}"], "is a file"),
+    (["tasks", "generate", "--synthetic", "2", "--out", "{file}"], "is a file"),
+    (["tasks", "generate", "--repo", "{other}", "--out", "{file}"], "is a file"),
 ])
 def test_commands_refuse_bad_folders_in_one_line_and_write_nothing(tmp_path, capsys, argv, field):
   paths = {"file": tmp_path / "f", "other": tmp_path / "notes", "new": tmp_path / "new",

@@ -130,6 +130,8 @@ def _sandbox_exec(args) -> int:
 
 
 def _tasks_generate(args) -> int:
+  from composer_jax.config_check import check_out
+  check_out(args.out, runs=False)  # a folder of task directories: only a file in the way is refused
   if args.synthetic is not None:
     return _tasks_generate_synthetic(args)
   from composer_jax.env.generate import (
