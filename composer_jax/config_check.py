@@ -209,6 +209,10 @@ def validate(cfg: Config) -> None:
   _require(cfg.eval.workers >= 1, f"eval.workers={cfg.eval.workers} must be >= 1")
   _require(all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in cfg.eval.k),
            f"eval.k={cfg.eval.k} must be a list of positive integers, e.g. [1, 5]")
+  # The RL run's closing evaluation (rl.eval_tasks) draws eval.samples a task.
+  _require(not cfg.rl.eval_tasks or not cfg.eval.k or max(cfg.eval.k) <= cfg.eval.samples,
+           f"eval.k={cfg.eval.k} asks for pass@{max(cfg.eval.k or [1])} of eval.samples="
+           f"{cfg.eval.samples} a task (rl.eval_tasks): raise eval.samples or drop it from eval.k")
 
 
 def _check_templates(u) -> None:

@@ -83,8 +83,7 @@ class Recipe:
   def __init__(self, cfg: Config, out: str, resume: bool = False, log=print):
     self.cfg, self.out, self.resume, self.log = cfg, os.path.abspath(out), resume, log
     self.times: dict[str, float] = {}
-    if os.path.isdir(self.out) and os.listdir(self.out) and not resume:
-      raise ConfigError(f"--out {out} is not empty: pass --resume to continue it, or choose a new --out")
+    check_run_out(cfg, out, resume)  # `run` checked already; here for every other caller
     barrier("recipe_out_checked")  # several processes: each looked before any of them wrote
     if is_primary():
       os.makedirs(self.out, exist_ok=True)

@@ -72,6 +72,13 @@ def test_config_files_that_are_empty_or_a_folder(tmp_path):
   assert "is a directory" in _one_line(e)
 
 
+def test_pass_at_k_beyond_the_rl_runs_closing_samples():
+  with pytest.raises(ConfigError) as e:
+    load_config(TINY, ["rl.eval_tasks=held", "eval.k=[1,4]", "eval.samples=2"])
+  assert "eval.k=[1, 4]" in _one_line(e) and "eval.samples=2" in str(e.value)
+  assert load_config(TINY, ["eval.k=[1,4]", "eval.samples=2"]).eval.k == [1, 4]  # no closing eval
+
+
 def test_an_override_with_an_empty_name_between_dots():
   with pytest.raises(ConfigError) as e:
     load_config(TINY, ["rl..steps=3"])
@@ -173,6 +180,8 @@ def test_a_model_too_small_to_train_a_tokenizer_stops_before_the_corpus(tmp_path
     (["extend", TINY, "--out", "{new}", "--init", "{new}", "--seq-len", "256"], "not a run"),
     (["rl", TINY, "--out", "{new}", "--init", "configs/tiny-base"], "not a run directory"),
     (["eval", "--tasks", "{other}", "--policy", "oracle", "--out", "{file}"], "is a file"),
+    (["eval", "--tasks", "{other}", "--policy", "oracle", "--out", "{new}", "--samples", "2",
+      "--set", "eval.k=[1,4]"], "pass@4"),  # was left out of the summary without a word
     (["tasks", "generate", "--synthetic", "2", "--out", "{file}"], "is a file"),
     (["tasks", "generate", "--repo", "{other}", "--out", "{file}"], "is a file"),
 ])

@@ -64,7 +64,6 @@ from collections.abc import Sequence
 
 from composer_jax.env import quota, scratch
 from composer_jax.env.reaper import (
-  _CALLS,
   _kill_cgroup,
   _kill_group,
   _kill_marked,
@@ -452,7 +451,9 @@ class Sandbox:
       self.stopped.append(stopped)
       return ExecResult(125, f"[not run: {stopped}]", False, False, 0.0, self.use_bwrap, stopped)
     timed_out = False
-    marker = f"{os.getpid()}-{next(_CALLS)}-{os.urandom(4).hex()}"
+    # Random only: the sandboxed process can read its own environment, and the host's pid or call
+    # count is nothing it needs to see.
+    marker = os.urandom(12).hex()
     # Without bwrap, HOME and TMPDIR are a fresh folder removed after the call (best effort).
     private = None if self.use_bwrap else tempfile.mkdtemp(prefix="cj-sb-")
     home, tmp = ("/tmp/home", "/tmp") if self.use_bwrap else (private, private)

@@ -35,6 +35,9 @@ def _eval(args) -> int:
   samples = cfg.eval.samples if args.samples is None else args.samples
   if samples < 1:
     raise ConfigError(f"--samples {samples} must be >= 1")
+  if cfg.eval.k and max(cfg.eval.k) > samples:  # else pass@k is silently left out of the summary
+    raise ConfigError(f"eval.k={cfg.eval.k} asks for pass@{max(cfg.eval.k)} of {samples} sample(s) a "
+                      f"task: pass --samples {max(cfg.eval.k)} (or eval.samples) or drop it from eval.k")
   try:
     tasks = load_tasks(args.tasks)
   except TaskError as e:

@@ -252,6 +252,9 @@ def test_environment_is_built_from_scratch(tmp_path, mode, monkeypatch):
   monkeypatch.setenv("CJ_HOST_TOKEN", "hunter2")
   r = Sandbox(str(tmp_path), QUICK, mode=mode, env={"TASK_VAR": "1"}).run("env")
   assert "hunter2" not in r.output and "TASK_VAR=1" in r.output
+  # The call's marker (the reaper's fallback handle) is random: no host pid or call count in it.
+  marker = next(line for line in r.output.splitlines() if line.startswith("COMPOSER_JAX_SANDBOX_CALL="))
+  assert str(os.getpid()) not in marker and "-" not in marker
   path = next(line for line in r.output.splitlines() if line.startswith("PATH="))
   assert ".pyenv/shims" not in path and path.split("=", 1)[1] == sbm.search_path()
   home = next(line for line in r.output.splitlines() if line.startswith("HOME="))[5:]
