@@ -72,6 +72,21 @@ def test_config_files_that_are_empty_or_a_folder(tmp_path):
   assert "is a directory" in _one_line(e)
 
 
+@pytest.mark.parametrize("cmd", ["sft", "rl"])
+def test_an_init_run_of_other_arrays_is_refused_before_anything_is_written(tmp_path, capsys, cmd):
+  run = tmp_path / "run"
+  (run / "checkpoints" / "5").mkdir(parents=True)
+  dump_config(load_config(TINY, ["model.d_model=64"]), str(run / "config.yaml"))
+  before = sorted(os.walk(tmp_path))
+  assert main([cmd, TINY, "--out", str(tmp_path / "new"), "--init", str(run)]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "\n" not in err and "model.d_model=64" in err and "--init" in err, err
+  assert sorted(os.walk(tmp_path)) == before
+  # a field that changes the function, not the arrays, may change on purpose
+  from composer_jax.train.init import check_run_init_model
+  check_run_init_model(str(run), load_config(TINY, ["model.d_model=64", "model.rope_theta=50000"]).model)
+
+
 def test_pass_at_k_beyond_the_rl_runs_closing_samples():
   with pytest.raises(ConfigError) as e:
     load_config(TINY, ["rl.eval_tasks=held", "eval.k=[1,4]", "eval.samples=2"])

@@ -35,8 +35,8 @@ def run(args) -> int:
   if not args.resume and not args.init:
     raise ConfigError("rl starts from a trained policy: pass --init RUN_DIR (an sft or pretrain run)")
   if args.init:
-    from composer_jax.train.init import check_run_init
-    check_run_init(args.init)
+    from composer_jax.train.init import check_run_init_model
+    check_run_init_model(args.init, cfg.model)
   from composer_jax.rl.loop import load_task_set
   load_task_set(cfg.rl.tasks, "rl.tasks")  # a bad folder fails here, before anything compiles
   from composer_jax.rl import preflight

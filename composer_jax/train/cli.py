@@ -73,8 +73,8 @@ def _prepare(args, extra: list[str] = ()):
     raise ConfigError(f"--out {args.out} already holds checkpoints: pass --resume to continue, "
                       "or choose a new --out")
   if args.init and init_kind(args.init) == "run":
-    from composer_jax.train.init import check_run_init
-    check_run_init(args.init)
+    from composer_jax.train.init import check_run_init_model
+    check_run_init_model(args.init, cfg.model)
   if args.cpu_devices:
     from composer_jax.parallel.mesh import set_cpu_devices
     set_cpu_devices(args.cpu_devices)

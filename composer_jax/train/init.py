@@ -52,6 +52,13 @@ def check_run_init(path: str, flag: str = "--init") -> None:
                       "run that has saved one, or one of its step folders")
 
 
+def check_run_init_model(path: str, model_cfg, flag: str = "--init") -> None:
+  """``check_run_init``, then the run's saved model against ``model_cfg`` on the fields that fix
+  the arrays: one line naming the field, not a shape mismatch at restore."""
+  check_run_init(path, flag)
+  check_base(path, model_cfg, field=flag, fields=SHAPE_FIELDS)
+
+
 def model_section(path: str, kind: str) -> dict | None:
   """The model config (as a dict) of a converted / HF folder; None for a run."""
   if kind == "hf":
@@ -71,8 +78,17 @@ ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_dense_layers", "dense_ffn
                "rope_theta", "yarn_factor", "tie_embeddings", "mtp_depths")
 
 
-def check_base(path: str, model_cfg, field: str = "run.base") -> str:
-  """The kind of a base checkpoint whose architecture is ``model_cfg``'s, or one ConfigError line
+# The fields that fix the arrays' names and shapes: a run's --init must agree on these, or its
+# restore fails. The others (rope_theta, scoring, ...) change the function, not the arrays, and a
+# stage may change them on purpose (a larger RoPE base for longer context).
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_dense_layers", "dense_ffn_dim", "n_heads",
+                "q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim",
+                "n_routed_experts", "n_shared_experts", "moe_ffn_dim", "selection_bias",
+                "tie_embeddings", "mtp_depths")
+
+
+def check_base(path: str, model_cfg, field: str = "run.base", fields: tuple = ARCH_FIELDS) -> str:
+  """The kind of a base checkpoint whose ``fields`` are ``model_cfg``'s, or one ConfigError line
   naming the first model field that differs (read from the folder's config; no weights are read)."""
   if not os.path.isdir(path):
     raise ConfigError(f"{field}={path!r} does not exist: give an HF folder, a `convert --from-hf` "
@@ -88,7 +104,7 @@ def check_base(path: str, model_cfg, field: str = "run.base") -> str:
       raise ConfigError(f"{field}={path!r} is not an HF, converted or run directory (no "
                         "config.json + safetensors, params/ + config.yaml, or checkpoints/)")
     there = dataclasses.asdict(load_config(os.path.join(run_dir, "config.yaml")).model)
-  for k in ARCH_FIELDS:
+  for k in fields:
     if there[k] != getattr(model_cfg, k):
       raise ConfigError(f"{field}={path!r} has model.{k}={there[k]!r} but this config has "
                         f"{getattr(model_cfg, k)!r}: set model.{k}={there[k]} or choose another base")
