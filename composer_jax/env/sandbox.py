@@ -39,7 +39,7 @@ during (every 0.2 s) and after a call, and a call that passes them is stopped an
 Nothing outlives a call, in every mode: when the command returns (or times out) its process group is
 killed, then every process left in its cgroup; under bwrap the pid namespace dies with its init. In
 the rlimit-only fallback without a cgroup, processes that left the group (setsid) are found by a
-per-call marker in their environment.
+per-call marker in their environment (random bytes: nothing of the host, such as its pid).
 
 Modes: where bwrap cannot run, ``sandbox="auto"`` prints a loud warning once and falls back to rlimits
 only (no namespaces: network and file system reachable); ``"required"`` refuses; ``"off"`` skips bwrap
