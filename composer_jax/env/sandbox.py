@@ -19,7 +19,9 @@ What a command sees is an allow-list, built on an empty root (anything not liste
 
 No home directories, caches, task stores, gold files, other workspaces, project checkout, host
 ``/var``, ``/opt``, ``/srv``, ``/mnt``. Namespaces: own pids (host processes invisible), ipc, uts,
-user, and no network unless ``network=True`` (set-up steps that install dependencies). Environment
+user, and no network unless ``network=True`` (set-up steps that install dependencies); no capabilities
+(run by root, bwrap would keep them) and a read-only ``/proc/sys`` (uid 0 inside is the host's root,
+which writes sysctls without one). Environment
 variables are built from scratch (``PATH`` from the allowed directories; nothing of the host's passes).
 A link the command makes in the workspace may name any host path; host-side readers of the workspace
 never follow one out of it (``guards.drop_outside_links``, ``guards.within``).
@@ -127,6 +129,12 @@ _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "ssl", "ca-certificates",
         "ca-certificates.conf", "localtime", "passwd", "group", "nsswitch.conf", "hosts")
 _ETC_NET = ("resolv.conf", "gai.conf", "host.conf")
+
+
+# Inside, uid 0 is the host's root, and the kernel lets root write a sysctl without any capability
+# (bwrap did not cover these here): kernel.core_pattern runs a program as host root, sysrq reboots.
+_PROC_RO = tuple(a for n in ("sys", "sysrq-trigger") if os.path.exists(f"/proc/{n}")
+                 for a in ("--ro-bind", f"/proc/{n}", f"/proc/{n}"))
 
 
 @functools.cache
@@ -412,8 +420,10 @@ class Sandbox:
     tmp_size = ["--size", str(self.limits.tmp_mb << 20)] if self.limits.tmp_mb > 0 and sized else []
     # /dev/shm (POSIX shared memory: multiprocessing's locks) is a tmpfs of the same size as /tmp.
     shm = [*tmp_size, "--tmpfs", "/dev/shm"] if tmp_size else []
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-            *_system_args(self.network), "--dev", "/dev", *shm, "--proc", "/proc", *tmp_size,
+    # --cap-drop ALL: run by root, bwrap keeps every capability inside, and CAP_SYS_ADMIN remounts
+    # a read-only bind (/usr, the interpreter, ro_binds) read-write or unmounts a hide tmpfs.
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            *_system_args(self.network), "--dev", "/dev", *shm, "--proc", "/proc", *_PROC_RO, *tmp_size,
             "--tmpfs", "/tmp", "--dir", "/tmp/home", *_interpreter_args()]
     if self.network:
       argv += ["--share-net"]

@@ -14,6 +14,7 @@ import re
 import re._constants as _sre
 import re._parser as _sre_parse
 import shutil
+import stat
 import time
 
 import regex
@@ -100,6 +101,26 @@ def utf8_text(text: str) -> str:
   return raw.decode("utf-8", "replace")
 
 
+def _bad_args(spec: ToolSpec, args: dict) -> str:
+  """Why ``args`` do not fit ``spec`` (names, types, required ones), or "". ``parse`` gives only
+  strings and ints, but ``execute`` is the boundary: a list for a path raised AttributeError."""
+  for name, value in args.items():
+    a = spec.arg(name)
+    if a is None:
+      return f"{spec.name} has no argument <{name}>"
+    want = int if a.kind == "int" else str
+    if not isinstance(value, want) or isinstance(value, bool):
+      return f"argument <{name}> of {spec.name} must be {'an integer' if want is int else 'text'}"
+  missing = [a.name for a in spec.args if a.required and a.name not in args]
+  return f"{spec.name} needs argument(s) {', '.join(missing)}" if missing else ""
+
+
+def _glob(pattern: str):
+  """``pattern``'s matcher, compiled without fnmatch's cache: it keeps 32768 patterns for the life of
+  the worker, and 2000 distinct 8 KB globs held 155 MB there."""
+  return regex.compile(fnmatch.translate(pattern), cache_pattern=False).match
+
+
 def _encodable(text: str) -> bool:
   try:
     text.encode("utf-8")
@@ -124,7 +145,7 @@ class ToolBox:
 
   def __init__(self, sandbox: Sandbox, max_output_chars: int = 8000, max_matches: int = 50,
                max_view_lines: int = 400, search_timeout_s: float = 10.0,
-               max_file_bytes: int = 8 << 20):
+               max_file_bytes: int = 8 << 20, max_undo_chars: int = 64 << 20):
     self.sandbox = sandbox
     self.max_file_bytes = max_file_bytes
     self.search_timeout_s = search_timeout_s
@@ -133,17 +154,23 @@ class ToolBox:
     self.max_matches = max_matches
     self.max_view_lines = max_view_lines
     self.history: dict[str, list[str | None]] = {}  # path -> earlier contents (None = absent)
+    self._edits: list[str] = []  # the path of each kept copy, oldest first
+    self._undo_chars, self.max_undo_chars = 0, max_undo_chars
     self.submitted = False
 
   # ---------------------------------------------------------------------------------------------
   def execute(self, call: ToolCall) -> Observation:
     fn = getattr(self, f"_tool_{call.name}", None)
-    if fn is None:
+    spec = SPECS.get(call.name)
+    if fn is None or spec is None:
       return Observation(call.name, f"unknown tool {call.name!r}", False)
     for name, value in call.args.items():  # what no path, file or command can hold
       if isinstance(value, str) and ("\x00" in value or not _encodable(value)):
         return Observation(call.name, f"argument {name!r} holds a NUL or an unpaired surrogate "
                            "character; remove it", False)
+    bad = _bad_args(spec, call.args)
+    if bad:
+      return Observation(call.name, bad, False)
     try:
       text = fn(**call.args)
       ok = True
@@ -175,8 +202,18 @@ class ToolBox:
     if not os.path.isfile(full):
       raise ToolError(f"{self._rel(full)}: no such file")
     self._check_size(full)
-    with open(full, encoding="utf-8", errors="replace", newline="") as f:
+    with self._open(full) as f:
       return f.read()
+
+  def _open(self, full: str, write: bool = False):
+    """``full`` as text, only if it is a regular file: the terminal can swap an edited file for a
+    FIFO (``rm f; mkfifo f``), and ``undo``'s plain open of it blocked the worker for good."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC if write else os.O_RDONLY
+    fd = os.open(full, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+      os.close(fd)
+      raise ToolError(f"{self._rel(full)}: not a regular file")
+    return open(fd, "w" if write else "r", encoding="utf-8", errors="replace", newline="")
 
   def _check_size(self, full: str) -> None:
     """The file tools hold what they read in the worker's memory (and each edit's undo copy): a file
@@ -192,7 +229,7 @@ class ToolBox:
       if not os.path.isfile(full):  # a FIFO would block both opens
         raise ToolError(f"{self._rel(full)}: not a regular file")
       self._check_size(full)
-      with open(full, encoding="utf-8", errors="replace", newline="") as f:
+      with self._open(full) as f:
         old = f.read()
     parent = os.path.dirname(full)
     rel = os.path.relpath(parent, self.root)
@@ -203,10 +240,20 @@ class ToolBox:
     if not os.path.isdir(parent) and depth > quota.MAX_DEPTH:
       raise ToolError(f"{self._rel(full)}: {depth} folders deep, more than {quota.MAX_DEPTH}; use a "
                       "shallower path")
-    self.history.setdefault(full, []).append(old)
+    self._remember(full, old)
     os.makedirs(parent, exist_ok=True)
-    with open(full, "w", encoding="utf-8", newline="") as f:
+    with self._open(full, write=True) as f:
       f.write(text)
+
+  def _remember(self, full: str, old: str | None) -> None:
+    """Keep ``old`` for undo within ``max_undo_chars`` in all, dropping the oldest copies: 100
+    inserts into an 8 MB file, one 8 KB turn, held 800 MB of copies in the worker."""
+    self.history.setdefault(full, []).append(old)
+    self._edits.append(full)
+    self._undo_chars += len(old or "")
+    while self._undo_chars > self.max_undo_chars and len(self._edits) > 1:
+      gone = self.history[self._edits.pop(0)].pop(0)
+      self._undo_chars -= len(gone or "")
 
   # ---------------------------------------------------------------------------------------------
   def _tool_view(self, path: str, start: int | None = None, end: int | None = None) -> str:
@@ -253,7 +300,10 @@ class ToolBox:
     if count != 1:
       if count == 0:
         raise ToolError(f"no match for <old> in {self._rel(full)}; nothing changed (check whitespace)")
-      starts = [m.start() for m in re.finditer(re.escape(old), text)]
+      starts, at = [], text.find(old)
+      while at >= 0 and len(starts) < 20:  # str.find: re's cache would keep each <old> compiled
+        starts.append(at)
+        at = text.find(old, at + len(old))
       lines = [text.count("\n", 0, s) + 1 for s in starts]
       raise ToolError(f"<old> matches {count} times in {self._rel(full)} (lines "
                       f"{', '.join(map(str, lines[:20]))}); nothing changed: include more context")
@@ -288,11 +338,15 @@ class ToolBox:
     stack = self.history.get(full)
     if not stack:
       raise ToolError(f"no edit to undo for {self._rel(full)}")
+    if os.path.lexists(full) and not os.path.isfile(full):  # checked before the copy is spent
+      raise ToolError(f"{self._rel(full)}: not a regular file")
     old = stack.pop()
+    del self._edits[len(self._edits) - 1 - self._edits[::-1].index(full)]
+    self._undo_chars -= len(old or "")
     if old is None:
       os.remove(full)
       return f"undid the creation of {self._rel(full)} (file removed)"
-    with open(full, "w", encoding="utf-8", newline="") as f:
+    with self._open(full, write=True) as f:
       f.write(old)
     return f"reverted the last edit to {self._rel(full)}"
 
@@ -324,14 +378,15 @@ class ToolBox:
                       f"like {{1000}} multiply when nested); use smaller counts, or + and *")
     try:
       rx = regex.compile(pattern, regex.V0, cache_pattern=False)  # not kept in the worker
-    except (regex.error, ValueError, RecursionError) as e:  # RecursionError: '(' * 3000, which a
-      # sampling loop writes, raised out of the tool and failed the rollout
+    except Exception as e:  # regex's parser on the model's text: '(' * 3000 raised RecursionError,
+      # '(?V1)' KeyError, out of the tool, failing the rollout
       raise ToolError(f"bad regular expression {pattern!r}: {e}") from None
     full = self._resolve(path)
     deadline = time.monotonic() + self.search_timeout_s
     shown, total, per_file = [], 0, []
+    name_ok = _glob(glob) if glob else None
     for f in self._walk(full):
-      if glob and not fnmatch.fnmatch(os.path.basename(f), glob) or not self._small(f):
+      if name_ok and not name_ok(os.path.basename(f)) or not self._small(f):
         continue  # a file over max_file_bytes is skipped as a binary is
       try:
         with open(f, encoding="utf-8") as fh:
@@ -340,11 +395,15 @@ class ToolBox:
         continue  # binary
       hits = 0
       for i, line in enumerate(lines, 1):
-        try:
-          found = rx.search(line, timeout=max(deadline - time.monotonic(), 1e-3))
+        try:  # the timeout bounds one line: a fast pattern over a 1 GB workspace ran for minutes
+          left = deadline - time.monotonic()
+          if left <= 0:
+            raise TimeoutError
+          found = rx.search(line, timeout=left)
         except TimeoutError:
           raise ToolError(f"the search for {pattern!r} took more than {self.search_timeout_s:g} s "
-                          "(a pattern that backtracks too much?); use a simpler pattern") from None
+                          "(a pattern that backtracks too much, or too many files?); use a simpler "
+                          "pattern, or narrow it with <path> or <glob>") from None
         if found:
           hits += 1
           if len(shown) < self.max_matches:
@@ -362,9 +421,10 @@ class ToolBox:
   def _tool_find(self, pattern: str, path: str | None = None) -> str:
     full = self._resolve(path)
     hits = []
+    match = _glob(pattern)
     for f in self._walk(full):
       rel = self._rel(f)
-      if fnmatch.fnmatch(rel, pattern) or fnmatch.fnmatch(os.path.basename(f), pattern):
+      if match(rel) or match(os.path.basename(f)):
         hits.append(rel)
     if not hits:
       return f"no files match {pattern!r}"
