@@ -170,11 +170,22 @@ def _not_copied(folder: str, names: list[str]) -> list[str]:
   return [n for n in names if n == ".git" or special(n)]
 
 
+def _copy_without_set_id(src: str, dst: str) -> None:
+  """``copy2`` less the setuid and setgid bits. Uid 0 in the sandbox is the host's root, and an owner
+  may chmod u+s its own file with no capability: ``cp /bin/sh x; chmod 4755 x`` made a root shell on
+  the host. The sandbox mounts nosuid, so an honest workspace never needs these bits."""
+  shutil.copyfile(src, dst, follow_symlinks=False)
+  st = os.lstat(src)
+  os.chmod(dst, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
+  os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def prepare_grading_copy(task: Task, workspace: str, dest: str) -> dict:
   """Copy the agent's workspace to ``dest``, clean it and restore every protected file. Links are
   copied as links, and those that lead out of the copy are deleted: dereferenced here, on the host,
-  they would read files the sandbox hides (the task's gold files)."""
-  shutil.copytree(workspace, dest, symlinks=True, dirs_exist_ok=True, ignore=_not_copied)
+  they would read files the sandbox hides (the task's gold files). No file keeps a set-id bit."""
+  shutil.copytree(workspace, dest, symlinks=True, dirs_exist_ok=True, ignore=_not_copied,
+                  copy_function=_copy_without_set_id)
   links = guards.drop_outside_links(dest)
   removed = guards.clean_tree(dest)
   touched = guards.restore_protected(dest, task.protected_dir, task.test_files)

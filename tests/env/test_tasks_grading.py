@@ -410,6 +410,23 @@ def test_links_to_the_gold_files_earn_nothing_and_nothing_is_written_through_a_l
   assert grade(t, ws2).reward == 1.0
 
 
+def test_the_grading_copy_drops_set_id_bits(demo_tasks, tmp_path):
+  """Uid 0 in the sandbox is the host's root and may chmod u+s its own files: a root-owned setuid
+  shell in the grading copy. The copy keeps the rest of the mode and the content."""
+  from composer_jax.env.grading import prepare_grading_copy
+  t = load_task(os.path.join(demo_tasks[0], "calc__calc.core.add"))
+  ws = start_workspace(t, str(tmp_path / "ws"))
+  shell = os.path.join(ws, "sh")
+  shutil.copyfile("/bin/sh", shell)
+  os.chmod(shell, 0o6755)
+  dest = str(tmp_path / "copy")
+  prepare_grading_copy(t, ws, dest)
+  assert os.stat(os.path.join(dest, "sh")).st_mode & 0o7777 == 0o755
+  assert open(os.path.join(dest, "sh"), "rb").read() == open("/bin/sh", "rb").read()
+  rel = t.gold_files[0]
+  assert os.stat(os.path.join(dest, rel)).st_mode & 0o777 == os.stat(os.path.join(ws, rel)).st_mode & 0o777
+
+
 def test_verdict_rules():
   f2p, p2p = ["a", "b"], ["c"]
   ok = {"a": "passed", "b": "passed", "c": "passed"}
