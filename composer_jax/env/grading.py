@@ -142,9 +142,10 @@ def run_value_checks(task: Task, root: str, limits: Limits,
   the hidden files' single checks as ``oracle.checks_right``)."""
   expected = {}
   files = value_check_files(task)
+  modules = _start_modules(task)
   for rel in files:  # from the task store, not the copy: nothing the agent wrote is read here
     with open(os.path.join(task.protected_dir, rel), encoding="utf-8") as f:
-      text, expected[rel] = oracle.split_checks(f.read(), rel)
+      text, expected[rel] = oracle.split_checks(f.read(), rel, modules)
     with open(os.path.join(root, rel), "w", encoding="utf-8") as f:
       f.write(text)
   with scratch.temp_dir("cj-values-") as rep:
@@ -158,8 +159,25 @@ def run_value_checks(task: Task, root: str, limits: Limits,
   hidden = sorted(set(files) & set(task.hidden_tests))
   if results is None:
     return {}, r.output, False, oracle.checks_right(expected, {}, hidden)
+  results = oracle.confirm_on_host(expected, results, root)
   return (oracle.outcomes(expected, results), r.output, True,
           oracle.checks_right(expected, results, hidden))
+
+
+def _start_modules(task: Task) -> frozenset[str]:
+  """The dotted names of the modules in the task's start workspace: ``oracle.confirm_on_host``
+  reads those files in the graded copy."""
+  out, top = set(), task.workspace_dir
+  for dirpath, dirnames, filenames in os.walk(top):
+    dirnames[:] = [d for d in dirnames if d not in guards.JUNK_DIRS]
+    rel = os.path.relpath(dirpath, top)
+    parts = [] if rel == "." else rel.split(os.sep)
+    for f in filenames:
+      if f.endswith(".py"):
+        name = parts if f == "__init__.py" else parts + [f[:-3]]
+        if name:
+          out.add(".".join(name))
+  return frozenset(out)
 
 
 def _not_copied(folder: str, names: list[str]) -> list[str]:

@@ -8,21 +8,23 @@ away), exit before the asserts, or read the hidden tests beside it and return th
 match (``tests/env/test_oracle.py``). So for tasks whose tests are value checks, the grader never
 sends an expected value or a verdict through the sandbox:
 
-- ``split_checks`` rewrites each protected test file on the host: every ``check(E, V)``,
-  ``assert E == V`` and ``assert E`` becomes ``__cj_probe__(i, E)``, and the expected value V (a
-  literal; True for a bare assert) stays on the host. The rewritten files hold inputs only.
+- ``split_checks`` rewrites each protected test file on the host: every ``check(E, V)`` and
+  ``assert E OP V`` (``==``, ``!=``, ``<``, ``in``, ``is None``, ..., the literal on either side)
+  becomes ``__cj_probe__(i, E)``, and the literal V and the operator stay on the host. The rewritten
+  files hold inputs only.
 - ``PROBE_SOURCE`` (written by the grader into a folder of its own, never the workspace's
   ``run_tests.py``) imports each rewritten file in the sandbox, runs its ``test_*`` functions and
   writes every probed value, encoded as plain data (``encode``), to a JSON file.
-- ``outcomes`` decodes those values and compares them with the expected ones: a test passes iff
-  each of its probes was reached and every value it recorded matches (``check``: same type and
-  equal; ``assert``: equal). Anything the code returns that is not plain data (an always-equal
-  object, an ``int`` subclass) decodes to a value equal to nothing.
+- ``outcomes`` decodes those values and redoes each check on the host: a test passes iff each of its
+  probes was reached and every value it recorded passes (``check``: same type and equal; ``assert``:
+  the test's operator). Anything the code returns that is not plain data (an always-equal object,
+  an ``int`` subclass) decodes to a value equal to nothing.
 
 Anything the code under test writes is at most a claim about values, and a claim that passes is the
-correct values for inputs it has not seen before the run, which is solving the task. The only weak
-checks are bare asserts (``assert not hasattr(m, "old")``): their expected value is always True, so
-code can claim it; the value checks beside them still have to hold.
+correct values for inputs it has not seen before the run, which is solving the task. The weak checks
+are the bare asserts: their expected value is always True, so code can claim it. The one the
+templates use, ``assert not hasattr(m, "old")`` on a workspace module, is also confirmed on the host
+(``confirm_on_host``): the module's file must exist and hold no identifier ``old``.
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import io
 import json
+import operator
+import os
 import threading
+import tokenize
 
 from composer_jax.env.guards import read_regular
 
@@ -48,12 +54,30 @@ class NotValueChecks(ValueError):
 class Expected:
   index: int  # the probe's number in its test function
   want: object
-  strict: bool  # check(): the type must match too
+  strict: bool  # check() and ``is``: the type must match too
+  op: str = "=="  # or one of OPS' operators, redone on the host ...
+  side: str = "right"  # ... with the literal on this side of it
+  absent: tuple = ()  # (name, module): ``assert not hasattr(module, name)``, see confirm_on_host
+
+
+# ``assert A OP B`` for these operators, one side a literal: the host redoes OP on the recorded side
+# and the literal (the report grader's probes, ``env/probes.py``, use the same table).
+OPS = {ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.In: "in",
+       ast.NotIn: "not in", ast.IsNot: "is not"}
+_OP_FUNCS = {"!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt,
+             ">=": operator.ge, "in": lambda a, b: a in b, "not in": lambda a, b: a not in b,
+             "is not": operator.is_not}
+_NOT = object()  # "not a literal"
+
+
+def singleton(node: ast.AST) -> bool:
+  """``node`` is ``None``, ``True`` or ``False``: the literals an ``is`` check may name."""
+  return isinstance(node, ast.Constant) and (node.value is None or type(node.value) is bool)
 
 
 class _Rewrite(ast.NodeTransformer):
-  def __init__(self, file: str):
-    self.file, self.expected, self.test = file, {}, None
+  def __init__(self, file: str, imports: dict[str, str]):
+    self.file, self.imports, self.expected, self.test = file, imports, {}, None
 
   def visit_FunctionDef(self, node):
     if self.test is None and node.name.startswith("test_"):
@@ -64,35 +88,88 @@ class _Rewrite(ast.NodeTransformer):
       return node
     return self.generic_visit(node)
 
-  def _probe(self, expr, want, strict: bool, node):
+  def _probe(self, expr, want, strict: bool, node, **how):
     exp = self.expected[self.test]
-    exp.append(Expected(len(exp), want, strict))
+    exp.append(Expected(len(exp), want, strict, **how))
     call = ast.Call(ast.Name(PROBE, ast.Load()), [ast.Constant(len(exp) - 1), expr], [])
     return ast.copy_location(ast.Expr(call), node)
 
-  def _literal(self, node):
-    try:
-      return ast.literal_eval(node)
-    except ValueError as e:
-      raise NotValueChecks(f"{self.file}::{self.test}: expected value {ast.unparse(node)!r} "
-                           "is not a literal") from e
+  def _refuse(self, why: str):
+    raise NotValueChecks(f"{self.file}::{self.test}: {why}")
 
   def visit_Expr(self, node):
     call = node.value
     if (self.test and isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
         and call.func.id == "check"):
       if len(call.args) != 2 or call.keywords:
-        raise NotValueChecks(f"{self.file}::{self.test}: check() takes (got, want)")
-      return self._probe(call.args[0], self._literal(call.args[1]), True, node)
+        self._refuse("check() takes (got, want)")
+      want = _literal(call.args[1])
+      if want is _NOT:
+        self._refuse(f"expected value {ast.unparse(call.args[1])!r} is not a literal")
+      return self._probe(call.args[0], want, True, node)
     return self.generic_visit(node)
 
   def visit_Assert(self, node):
     if not self.test:
       return node
     t = node.test
-    if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
-      return self._probe(t.left, self._literal(t.comparators[0]), False, node)
-    return self._probe(t, True, False, node)
+    if isinstance(t, ast.Compare):
+      return self._compare(t, node)
+    # A bare assert: the probe records its truth, which code under test can claim (module doc).
+    truth = ast.UnaryOp(ast.Not(), ast.UnaryOp(ast.Not(), t))
+    return self._probe(truth, True, True, node, absent=self._absent(t))
+
+  def _compare(self, t: ast.Compare, node):
+    if len(t.ops) != 1:
+      self._refuse(f"{ast.unparse(t)!r} chains comparisons; write one assert per comparison")
+    (op,), a, b = t.ops, t.left, t.comparators[0]
+    va, vb = _literal(a), _literal(b)
+    if vb is not _NOT and va is _NOT:
+      computed, want, side = a, vb, "right"
+    elif va is not _NOT and vb is _NOT:
+      computed, want, side = b, va, "left"
+    else:
+      self._refuse(f"expected value {ast.unparse(b)!r} is not a literal" if va is _NOT else
+                   f"{ast.unparse(t)!r} compares two literals")
+    if isinstance(op, ast.Eq):
+      return self._probe(computed, want, False, node)
+    literal = b if side == "right" else a
+    if isinstance(op, (ast.Is, ast.IsNot)) and not singleton(literal):
+      self._refuse(f"{ast.unparse(t)!r}: ``is`` checks only None, True or False")
+    if isinstance(op, ast.Is):  # only that very value passes: type and value
+      return self._probe(computed, want, True, node)
+    return self._probe(computed, want, False, node, op=OPS[type(op)], side=side)
+
+  def _absent(self, t) -> tuple:
+    """(name, module) of ``not hasattr(M, "name")`` where M is a workspace module the test file
+    imports by ``import``; else ()."""
+    if not (isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not) and isinstance(t.operand, ast.Call)):
+      return ()
+    call = t.operand
+    if (isinstance(call.func, ast.Name) and call.func.id == "hasattr" and len(call.args) == 2
+        and not call.keywords and isinstance(call.args[0], ast.Name) and call.args[0].id in self.imports
+        and isinstance(call.args[1], ast.Constant) and type(call.args[1].value) is str):
+      return (call.args[1].value, self.imports[call.args[0].id])
+    return ()
+
+
+def _literal(node: ast.AST):
+  """``node``'s value if it is a literal, else ``_NOT``."""
+  try:
+    return ast.literal_eval(node)
+  except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+    return _NOT
+
+
+def _module_imports(tree: ast.Module, modules) -> dict[str, str]:
+  """{local name: module} for the file's top-level ``import M`` / ``import M as N`` of ``modules``."""
+  out = {}
+  for node in tree.body:
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name in modules and (alias.asname or "." not in alias.name):
+          out[alias.asname or alias.name] = alias.name
+  return out
 
 
 # CPython 3.11's ast.parse keeps its recursion depth in interpreter-wide state: two threads parsing
@@ -107,10 +184,13 @@ def parse(source: str) -> ast.Module:
     return ast.parse(source)
 
 
-def split_checks(source: str, file: str = "<test>") -> tuple[str, dict[str, list[Expected]]]:
-  """``source`` with its checks turned into probes, and each test's expected values in order."""
-  rw = _Rewrite(file)
-  tree = rw.visit(parse(source))
+def split_checks(source: str, file: str = "<test>",
+                 modules=frozenset()) -> tuple[str, dict[str, list[Expected]]]:
+  """``source`` with its checks turned into probes, and each test's expected values in order.
+  ``modules`` are the workspace's modules (dotted names), for ``confirm_on_host``."""
+  tree = parse(source)
+  rw = _Rewrite(file, _module_imports(tree, modules))
+  tree = rw.visit(tree)
   if not rw.expected:
     raise NotValueChecks(f"{file}: no test function")
   empty = [t for t, e in rw.expected.items() if not e]
@@ -188,13 +268,33 @@ def decode(x, depth: int = 0):
 
 
 def is_plain(got) -> bool:
-  """``got`` was plain data in the sandbox (not ``decode``'s stand-in for anything else)."""
-  return not isinstance(got, _Other)
+  """``got`` was plain data in the sandbox, all the way down (no ``decode`` stand-in for anything
+  else inside it: ``[<object>] != 3`` must not pass)."""
+  if isinstance(got, _Other):
+    return False
+  if isinstance(got, dict):
+    return all(is_plain(k) and is_plain(v) for k, v in got.items())
+  if isinstance(got, (list, tuple, set, frozenset)):
+    return all(is_plain(x) for x in got)
+  return True
+
+
+def holds(op: str, side: str, got, want) -> bool:
+  """``got OP want`` (``want OP got`` when the literal was on the left), on plain data only."""
+  if not is_plain(got):
+    return False
+  a, b = (got, want) if side == "right" else (want, got)
+  try:
+    return _OP_FUNCS[op](a, b) is True
+  except Exception:  # noqa: BLE001 - e.g. 3 < "a": the assert would have raised
+    return False
 
 
 def matches(got, e: Expected) -> bool:
   if not is_plain(got):
     return False
+  if e.op != "==":
+    return holds(e.op, e.side, got, e.want)
   if e.strict and type(got) is not type(e.want):
     return False
   try:
@@ -270,6 +370,51 @@ def read_results(path: str) -> dict | None:
   except (ValueError, UnicodeDecodeError, RecursionError):  # e.g. '[' * 10**5: written by the code
     return None
   return data if isinstance(data, dict) else None
+
+
+MAX_MODULE_BYTES = 1 << 20  # a module file bigger than this does not confirm an absence
+
+
+def confirm_on_host(expected: dict[str, dict[str, list[Expected]]], results: dict, root: str) -> dict:
+  """``results`` with a failing value added to each ``absent`` probe that the host cannot confirm.
+
+  ``assert not hasattr(m, "old")`` expects True, which code under test can claim (it can wrap the
+  probe, or write the values file). The host reads the graded copy's ``m.py`` (or
+  ``m/__init__.py``): a module that still names ``old`` as an identifier (a ``def``, an alias, an
+  import; comments and strings aside), or whose file is gone, a link or unreadable, fails the check
+  whatever the sandbox said. Binding the name without spelling it (``globals()["o" + "ld"]``) is
+  still left to the sandbox's probe."""
+  for file, tests in expected.items():
+    got_file = results.get(file) if isinstance(results, dict) else None
+    for test, exp in tests.items():
+      rec = got_file.get(test) if isinstance(got_file, dict) else None
+      values = rec.get("values") if isinstance(rec, dict) else None
+      for e in exp:
+        if e.absent and isinstance(values, list) and not _absent_from(root, *e.absent):
+          values.append([e.index, ["other", "named on the host"]])
+  return results
+
+
+def _absent_from(root: str, name: str, module: str) -> bool:
+  """Every file that could be ``module`` (a package shadows a module) is regular and has no NAME
+  token ``name``, and there is one (``grading`` removed bytecode and extensions before this)."""
+  rel = module.replace(".", "/")
+  found = False
+  for cand in (rel + "/__init__.py", rel + ".py"):
+    path = os.path.join(root, cand)
+    if not os.path.lexists(path):
+      continue
+    blob = read_regular(path, MAX_MODULE_BYTES)
+    if blob is None:
+      return False
+    try:
+      if any(t.type == tokenize.NAME and t.string == name
+             for t in tokenize.tokenize(io.BytesIO(blob).readline)):
+        return False
+    except (tokenize.TokenError, SyntaxError, UnicodeDecodeError):
+      return False
+    found = True
+  return found
 
 
 PROBE_SOURCE = r'''"""Runs rewritten test files and records the values their checks saw (composer_jax grading)."""

@@ -56,8 +56,7 @@ def _value(node: ast.AST):
     return _NOT
 
 
-def _singleton(node: ast.AST) -> bool:
-  return isinstance(node, ast.Constant) and (node.value is None or type(node.value) is bool)
+_singleton = oracle.singleton
 
 
 _CLOSE = ("rtol", "atol", "equal_nan", "err_msg", "verbose")  # assert_allclose's after the two
@@ -69,10 +68,7 @@ _NUMPY_CHECKS = ("assert_array_equal", "assert_allclose", "assert_equal", "asser
 _DECIMAL = {"assert_almost_equal": (7, "np_almost"), "assert_array_almost_equal": (6, "array_almost")}
 
 
-# ``assert A OP B`` for these operators: the host redoes OP (``probes._holds``) with the expected
-# literal on the side it was on.
-_OPS = {ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.In: "in",
-        ast.NotIn: "not in", ast.IsNot: "is not"}
+_OPS = oracle.OPS  # ``assert A OP B``: the host redoes OP (``oracle.holds``)
 
 
 def _dotted(node: ast.AST) -> str | None:

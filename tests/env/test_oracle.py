@@ -216,7 +216,7 @@ def test_split_checks_forms_and_refusals():
          "def test_b():\n    assert not hasattr(m, 'old')\n")
   probed, expected = oracle.split_checks(src, "test_m.py")
   assert [(e.want, e.strict) for e in expected["test_a"]] == [(7, True), ([1, (2, 3)], False), ("a", True)]
-  assert [(e.want, e.strict) for e in expected["test_b"]] == [(True, False)]
+  assert [(e.want, e.strict) for e in expected["test_b"]] == [(True, True)]  # a bare assert's truth
   assert "__cj_probe__(2, f(1))" in probed and "'msg'" not in probed
   assert "assert type(got) is type(want)" in probed  # helpers outside tests are left alone
   with pytest.raises(oracle.NotValueChecks, match="not a literal"):
