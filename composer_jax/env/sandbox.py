@@ -489,6 +489,7 @@ class Sandbox:
       timed_out = not exited and not stopped
       self._cleanup(proc, cgroup, joined, private, marker)
       stopped = stopped or watch()
+      set_id = quota.drop_set_id(self._roots)
       code = 124 if timed_out else 125 if stopped else proc.returncode
       total = out.seek(0, os.SEEK_END)
       out.seek(0)
@@ -504,6 +505,8 @@ class Sandbox:
         clipped = True
     if timed_out:
       text += f"\n[command timed out after {timeout:g} s; its process group was killed]"
+    if set_id:
+      text += f"\n[setuid/setgid bits cleared on {len(set_id)} file(s): the workspace keeps none]"
     if stopped:
       self.stopped.append(stopped)
       text += f"\n[command stopped: {stopped}]"
