@@ -6,8 +6,9 @@ decorator, a module-level case list or the test class's decorator), or a name bo
 literal (a local, or a module constant that only the tests compare with). A name is hidden only
 when every use of it is the expected side of a comparison, so the rewritten file computes what the
 original did and only the expected values leave it. The checks are ``==``, ``is`` against ``None``,
-``True`` or ``False``, the other comparison operators (``!=``, ``<``, ``in``, ...), ``assertTrue`` /
-``assertFalse``, numpy.testing's checks, ``pytest.approx`` and ``assertAlmostEqual``; a probe's
+``True`` or ``False``, the other comparison operators (``!=``, ``<``, ``in``, ...) and unittest's
+methods for them (``assertLess``, ``assertIn``, ``assertIsNotNone``, ...), ``assertTrue`` /
+``assertFalse`` (of a comparison with a literal side: as that comparison), numpy.testing's checks, ``pytest.approx`` and ``assertAlmostEqual``; a probe's
 ``how`` names its check, and the host redoes it (``probes._holds``).
 """
 
@@ -158,8 +159,9 @@ def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST, tuple] | None:
   """(A, B, how) of ``assert A == B``, ``self.assertEqual(A, B[, msg])``, the identity checks
   against ``None``, ``True`` or ``False`` (``assert A is None``, ``assertIs(A, True)``,
   ``assertIsNone(A)``: "is", as only that very value passes them), ``assertTrue(A)`` and
-  ``assertFalse(A)`` ("truth": A's truth against True or False), ``assert A OP B`` for the
-  other comparison operators (``!=``, ``<``, ``in``, ``is not``, ...: "op"),
+  ``assertFalse(A)`` ("truth": A's truth against True or False; of a comparison with a literal
+  side, that comparison), ``assert A OP B`` for the other comparison operators (``!=``, ``<``,
+  ``in``, ``is not``, ...: "op") and unittest's methods for them (``_UNITTEST_OPS``),
   ``A == pytest.approx(B)``, unittest's ``assertAlmostEqual``, and ``numpy.testing``'s ``assert_array_equal``,
   ``assert_allclose``, ``assert_equal``, ``assert_almost_equal`` and ``assert_array_almost_equal``
   (``_numpy_check``); else None."""
@@ -193,9 +195,43 @@ def _sides(node: ast.AST) -> tuple[ast.AST, ast.AST, tuple] | None:
       return call.args[0], call.args[1], ("is",)
     if name == "assertIsNone" and 1 <= n <= 2:
       return call.args[0], ast.Constant(None), ("is",)
-    if name in ("assertTrue", "assertFalse") and 1 <= n <= 2:  # the probe records ``not not A``
-      return call.args[0], ast.Constant(name == "assertTrue"), ("truth",)
+    if name in _UNITTEST_OPS and 2 <= n <= 3:  # assertLess(A, B) is ``assert A < B``
+      return call.args[0], call.args[1], ("op", _UNITTEST_OPS[name])
+    if name == "assertIsNot" and 2 <= n <= 3 and (_singleton(call.args[0]) or _singleton(call.args[1])):
+      return call.args[0], call.args[1], ("op", "is not")
+    if name == "assertIsNotNone" and 1 <= n <= 2:
+      return call.args[0], ast.Constant(None), ("op", "is not")
+    if name in ("assertTrue", "assertFalse") and 1 <= n <= 2:
+      compared = _truth_of_comparison(call.args[0], name == "assertTrue")
+      if compared is not None:
+        return compared
+      return call.args[0], ast.Constant(name == "assertTrue"), ("truth",)  # the probe records ``not not A``
   return None
+
+
+# unittest's comparison methods, as the operator of ``assert A OP B``
+_UNITTEST_OPS = {"assertNotEqual": "!=", "assertNotEquals": "!=", "assertLess": "<", "assertLessEqual": "<=",
+                 "assertGreater": ">", "assertGreaterEqual": ">=", "assertIn": "in", "assertNotIn": "not in"}
+# the operators whose negation is an operator (``not A == B`` is ``A != B`` on plain data; ``not A < B``
+# is not ``A >= B`` for sets or NaN)
+_NEGATED = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot,
+            ast.IsNot: ast.Is}
+
+
+def _truth_of_comparison(arg: ast.AST, truth: bool) -> tuple | None:
+  """The sides of ``assertTrue(A OP B)`` as ``assert A OP B`` (``assertFalse``: the negated
+  operator, where there is one) when one side is a literal, so that the bound leaves the file as
+  it does from an ``assert``; else None (the probe records the truth)."""
+  if not (isinstance(arg, ast.Compare) and len(arg.ops) == 1):
+    return None
+  op = type(arg.ops[0])
+  if not truth:
+    if op not in _NEGATED:
+      return None
+    op = _NEGATED[op]
+  if _value(arg.left) is _NOT and _value(arg.comparators[0]) is _NOT:
+    return None
+  return _sides(ast.Assert(ast.Compare(arg.left, [op()], arg.comparators)))
 
 
 def _split(node: ast.AST, params=frozenset()) -> tuple[ast.AST, object, ast.AST, tuple] | None:

@@ -202,7 +202,7 @@ def test_assert_true_and_false_are_probed_by_the_truth_the_test_took(tmp_path):
   assert [(p.test, p.want, p.how) for p in found] == [
       ("t.py::TestT::test_true", True, ("is", "truth")), ("t.py::TestT::test_false", False, ("is", "truth")),
       ("t.py::TestT::test_true_of_an_object", True, ("is", "truth")),
-      ("t.py::TestT::test_true_of_a_comparison", True, ("is", "truth"))]
+      ("t.py::TestT::test_true_of_a_comparison", 1, ("==",))]  # as ``assert yes(2) == 1``
   assert "assertTrue" not in text and "assertFalse" not in text
   assert "__cj_probe__(0, (not not (mod.match(\"ab\"))))" in text
   f2p, checked, wrong, failing = against_original(tmp_path, TRUTH_SRC, text, found, lambda n: True,
@@ -315,3 +315,69 @@ def test_other_comparison_operators_are_probed_with_the_literal_on_its_side(tmp_
   # f(1) = 3 and [3, 4] under the wrong module: != 3, < 3 and not in fail; 1 <= f(0) = 2 holds.
   assert wrong == sorted(set(failing) & set(checked)) == [
       "t.py::test_less", "t.py::test_not_equal", "t.py::test_not_in"]
+
+
+UNITTEST_OPS_SRC = """import unittest
+
+import mod
+
+
+class TestU(unittest.TestCase):
+    def test_not_equal(self):
+        self.assertNotEqual(mod.f(1), 3)
+
+    def test_less(self):
+        self.assertLess(mod.f(1), 3, "a message")
+
+    def test_greater_equal_literal_first(self):
+        self.assertGreaterEqual(2, mod.f(1))
+
+    def test_in(self):
+        self.assertIn("!", mod.g("a"))
+
+    def test_not_in(self):
+        self.assertNotIn(mod.f(2), [4])
+
+    def test_is_not_none(self):
+        self.assertIsNotNone(mod.h())
+
+    def test_is_not(self):
+        self.assertIsNot(mod.h(), None)
+
+    def test_true_of_less(self):
+        self.assertTrue(mod.f(1) < 3)
+
+    def test_false_of_equal(self):
+        self.assertFalse(mod.f(1) == 3)
+
+    def test_false_of_less(self):
+        self.assertFalse(mod.f(1) < 0)
+
+    def test_true_of_two_calls(self):
+        self.assertTrue(mod.f(1) == mod.f(1))
+"""
+
+
+def test_unittest_comparisons_and_asserted_comparisons_move_their_literal_to_the_host(tmp_path):
+  """unittest's ``assertNotEqual``, ``assertLess`` ... ``assertNotIn``, ``assertIsNot(A, None)`` and
+  ``assertIsNotNone`` are ``assert A OP B``, and ``assertTrue(A OP B)`` is too (``assertFalse``:
+  the negated operator, for ==, in and is, whose negations are operators). Probed as the truth, the
+  literal stayed in the sandbox and True or False was all a forger needed to claim. ``assertFalse(A
+  < 0)`` (``not <`` is not ``>=`` for sets or NaN) and a comparison with no literal side keep the
+  truth probe. Against the original file under pytest with MOD_WRONG (f = x + 2)."""
+  text, found = probe_rewrite.rewrite(UNITTEST_OPS_SRC, "t.py")
+  t = "t.py::TestU::test_"
+  assert [(p.test[len(t):], p.want, p.how) for p in found] == [
+      ("not_equal", 3, ("op", "!=", "right")), ("less", 3, ("op", "<", "right")),
+      ("greater_equal_literal_first", 2, ("op", ">=", "left")), ("in", "!", ("op", "in", "left")),
+      ("not_in", [4], ("op", "not in", "right")), ("is_not_none", None, ("op", "is not", "right")),
+      ("is_not", None, ("op", "is not", "right")), ("true_of_less", 3, ("op", "<", "right")),
+      ("false_of_equal", 3, ("op", "!=", "right")), ("false_of_less", False, ("is", "truth")),
+      ("true_of_two_calls", True, ("is", "truth"))]
+  body = text[text.index("class TestU"):text.index("def test_false_of_less")]
+  for lit in (", 3", "< 3", "== 3", "[4]", "(2,", "assert"):
+    assert lit not in body, lit
+  f2p, checked, wrong, failing = against_original(tmp_path, UNITTEST_OPS_SRC, text, found, lambda n: True)
+  assert sorted(checked) == sorted(p.test for p in found)
+  assert wrong == failing == sorted(t + n for n in (
+      "not_equal", "less", "greater_equal_literal_first", "not_in", "true_of_less", "false_of_equal"))
