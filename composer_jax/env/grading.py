@@ -7,7 +7,9 @@ in the run tampered with it, and the grade is 0.
 
 Tasks with ``grader = "values"`` (the synthetic ones) are graded by ``run_value_checks`` instead:
 the sandbox only reports the values the checks saw, and the expected values never leave the host
-(``oracle.py``). A test run's report can be forged by the code it imports; values cannot.
+(``oracle.py``). A test run's report can be forged by the code it imports; values cannot. Code that
+could reach the probe (a dunder, getattr, a frame, an import from outside the workspace) is refused
+before anything runs (``pure_code.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import stat
 import time
 import xml.etree.ElementTree as ET
 
-from composer_jax.env import guards, oracle, probe_rewrite, probes, scratch
+from composer_jax.env import guards, oracle, probe_rewrite, probes, pure_code, scratch
 from composer_jax.env.sandbox import Limits, Sandbox
 from composer_jax.env.tasks import Task
 
@@ -134,12 +136,13 @@ def value_check_files(task: Task) -> list[str]:
 
 
 def run_value_checks(task: Task, root: str, limits: Limits,
-                     mode: str = "auto") -> tuple[dict[str, str], str, bool, dict]:
+                     mode: str = "auto") -> tuple[dict[str, str], str, bool, dict, str | None]:
   """Grade ``root`` by values: rewrite its (restored) test files without their expected values, run
   them in a fresh sandbox with ``oracle.PROBE_SOURCE`` and compare the values it reports on the host.
 
   Returns (outcomes by node id, output tail, whether the probe wrote its values, the right share of
-  the hidden files' single checks as ``oracle.checks_right``)."""
+  the hidden files' single checks as ``oracle.checks_right``, why the workspace's code was refused
+  unrun, or None: ``pure_code.refusal``)."""
   expected = {}
   files = value_check_files(task)
   modules = _start_modules(task)
@@ -148,20 +151,26 @@ def run_value_checks(task: Task, root: str, limits: Limits,
       text, expected[rel] = oracle.split_checks(f.read(), rel, modules)
     with open(os.path.join(root, rel), "w", encoding="utf-8") as f:
       f.write(text)
+  hidden = sorted(set(files) & set(task.hidden_tests))
+  refused = pure_code.refusal(root, task.test_files,  # code that could reach the probe never runs
+                              (task.environment_setup or {}).get("pythonpath", ["."]))
+  if refused:
+    return {}, refused, False, oracle.checks_right(expected, {}, hidden), refused
   with scratch.temp_dir("cj-values-") as rep:
     probe, out = os.path.join(rep, "probe.py"), os.path.join(rep, "values.json")
     with open(probe, "w", encoding="utf-8") as f:
       f.write(oracle.PROBE_SOURCE)
+    env = test_env(task, root)
+    paths = env.pop("PYTHONPATH")  # the probe adds them after its own imports (oracle.PROBE_SOURCE)
     sb = Sandbox(root, limits, mode=mode, binds=[rep], hide=_hidden_from_sandbox(task))
-    r = sb.run(f"python -S {probe} {out} . {' '.join(files)}", env=test_env(task, root),
+    r = sb.run(f"python -S {probe} {out} {shlex.quote(paths)} {' '.join(files)}", env=env,
                max_output_chars=4000)
     results = oracle.read_results(out)
-  hidden = sorted(set(files) & set(task.hidden_tests))
   if results is None:
-    return {}, r.output, False, oracle.checks_right(expected, {}, hidden)
+    return {}, r.output, False, oracle.checks_right(expected, {}, hidden), None
   results = oracle.confirm_on_host(expected, results, root)
   return (oracle.outcomes(expected, results), r.output, True,
-          oracle.checks_right(expected, results, hidden))
+          oracle.checks_right(expected, results, hidden), None)
 
 
 def _start_modules(task: Task) -> frozenset[str]:
@@ -316,9 +325,9 @@ def grade(task: Task, workspace: str, limits: Limits | None = None, mode: str = 
   with scratch.temp_dir("cj-grade-") as tmp:
     dest = os.path.join(tmp, "ws")
     prep = prepare_grading_copy(task, workspace, dest)
-    checks = None
+    checks = refused = None
     if task.grader == "values":
-      outcomes, tail, have_report, checks = run_value_checks(task, dest, limits, mode)
+      outcomes, tail, have_report, checks, refused = run_value_checks(task, dest, limits, mode)
       code = None
     else:
       outcomes, code, tail, have_report, _ = run_tests(task, dest, limits, mode)
@@ -326,6 +335,8 @@ def grade(task: Task, workspace: str, limits: Limits | None = None, mode: str = 
                               task.hidden_tests)
   if checks is not None:
     details["hidden_checks"] = checks
+  if refused:
+    details["code_refused"] = refused
   if resolved and task.grader != "values" and probe:  # a report whose values are wrong is forged
     details["probes"] = run_probes(task, workspace, limits, mode)
     if details["probes"]["wrong"]:

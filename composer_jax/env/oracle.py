@@ -24,7 +24,8 @@ Anything the code under test writes is at most a claim about values, and a claim
 correct values for inputs it has not seen before the run, which is solving the task. The weak checks
 are the bare asserts: their expected value is always True, so code can claim it. The one the
 templates use, ``assert not hasattr(m, "old")`` on a workspace module, is also confirmed on the host
-(``confirm_on_host``): the module's file must exist and hold no identifier ``old``.
+(``confirm_on_host``): the module's file must exist and hold no identifier ``old``. Claiming at all
+needs code that reaches the probe, and ``pure_code`` refuses that code before anything runs.
 """
 
 from __future__ import annotations
@@ -439,9 +440,11 @@ def _alarm(signum, frame):
 
 
 def main():
-    out_path, here, files = sys.argv[1], sys.argv[2], sys.argv[3:]
+    out_path, paths, files = sys.argv[1], sys.argv[2], sys.argv[3:]
     del sys.argv[1:]
-    sys.path.insert(0, here)
+    # The workspace joins the path only now, after this runner's own imports: from PYTHONPATH, a
+    # workspace json.py was what ``import json`` above found, and its dump() wrote the values.
+    sys.path[0:0] = paths.split(os.pathsep)
     signal.signal(signal.SIGALRM, _alarm)
     results = {}
     current = []

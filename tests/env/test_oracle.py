@@ -18,7 +18,7 @@ import threading
 
 import pytest
 
-from composer_jax.env import oracle, probe_rewrite, synthetic
+from composer_jax.env import oracle, probe_rewrite, pure_code, synthetic
 from composer_jax.env.grading import grade
 from composer_jax.env.guards import read_regular
 from composer_jax.env.synthetic import TEMPLATES
@@ -106,7 +106,10 @@ def _target(task) -> tuple[str, str, str]:
 
 @pytest.mark.parametrize("hack", ["forge_report", "read_tests", "forge_values", "probe_disabled",
                                   "int_subclass"])
-def test_forgeries_score_zero(impl_task, tmp_path, hack):
+def test_forgeries_score_zero(impl_task, tmp_path, hack, monkeypatch):
+  """Each forgery but the int subclass is refused unrun (``pure_code``: an import from outside the
+  workspace, a frame, a dunder); below that layer, with it switched off, the values grader still
+  gives each 0."""
   rel, fn, arg = _target(impl_task)
   start = read_text(os.path.join(impl_task.workspace_dir, rel))
   gold = read_text(os.path.join(impl_task.gold_dir, rel))
@@ -128,6 +131,10 @@ def test_forgeries_score_zero(impl_task, tmp_path, hack):
                                   f"        __hash__ = int.__hash__\n    return I({body})")}
   ws = _ws(impl_task, tmp_path, overlay)
   by_report = grade(dataclasses.replace(impl_task, grader="junit"), ws, probe=False)
+  refused = grade(impl_task, ws)
+  assert refused.reward == 0.0
+  assert ("code_refused" in refused.details) == (hack != "int_subclass"), refused.details
+  monkeypatch.setattr(pure_code, "refusal", lambda *a: None)
   by_values = grade(impl_task, ws)
   assert impl_task.grader == "values"
   assert by_values.reward == 0.0, (hack, by_values.details)

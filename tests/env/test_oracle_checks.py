@@ -17,7 +17,7 @@ import shutil
 
 import pytest
 
-from composer_jax.env import oracle, synthetic
+from composer_jax.env import oracle, pure_code, synthetic
 from composer_jax.env.grading import grade
 from composer_jax.env.synthetic import TEMPLATES
 from composer_jax.env.tasks import read_text, write_text
@@ -154,6 +154,9 @@ def test_a_rename_that_keeps_the_old_name_and_claims_it_gone_scores_zero(tmp_pat
   alias = grade(task, ws(f"\n{old} = {new}\n"))  # the sandbox's probe sees the alias
   assert alias.reward == 0.0 and gone in alias.details["failed_tests"]
   forged = ws(f"\n{old} = {new}\n" + CLAIM_GONE)
+  refused = grade(task, forged)  # builtins and __dict__: refused unrun (pure_code)
+  assert refused.reward == 0.0 and "imports builtins" in refused.details["code_refused"]
+  monkeypatch.setattr(pure_code, "refusal", lambda *a: None)  # the second layer alone
   with monkeypatch.context() as m:  # without the host's check, the claim earns full reward
     m.setattr(oracle, "confirm_on_host", lambda expected, results, root: results)
     assert grade(task, forged).reward == 1.0

@@ -1,0 +1,160 @@
+"""``env/pure_code.py``: the values grader refuses workspace code that could reach the probe, and no
+honest solution is refused. Each denied form is refused with one line that names its file and line;
+the templates' start files and gold, many seeds each, pass."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+import pytest
+
+from composer_jax.env import pure_code, synthetic
+from composer_jax.env import sandbox as sbm
+from composer_jax.env.grading import grade
+from composer_jax.env.synthetic import TEMPLATES
+from composer_jax.env.tasks import read_text, write_text
+
+LEVELS = [(name, d) for name, t in TEMPLATES.items() for d in t.levels]
+PROTECTED = ["run_tests.py", "test_calc.py", "test_calc_hidden.py"]
+
+
+@pytest.mark.parametrize("name,d", LEVELS)
+def test_no_template_start_or_gold_is_refused(tmp_path, name, d):
+  for seed in range(4):
+    task = synthetic.write_task(TEMPLATES[name].make(random.Random(f"pure/{name}/{d}/{seed}"), d),
+                                str(tmp_path / f"{name}-{d}-{seed}"))
+    ws = str(tmp_path / f"ws-{seed}")
+    shutil.copytree(task.workspace_dir, ws)
+    assert pure_code.refusal(ws, task.test_files) is None, (name, d, seed)
+    for rel in task.gold_files:
+      write_text(os.path.join(ws, rel), read_text(os.path.join(task.gold_dir, rel)))
+    assert pure_code.refusal(ws, task.test_files) is None, (name, d, seed)
+
+
+HONEST = '''from __future__ import annotations
+import math
+from itertools import accumulate
+from helpers import OFFSET
+from . import helpers as _h
+
+
+class Acc:
+    __slots__ = ("total",)
+
+    def __init__(self, total=0):
+        self.total = total
+
+    def __add__(self, other):
+        return Acc(self.total + other)
+
+    def __repr__(self):
+        return f"Acc({self.total!r}) in {type(self).__name__}"
+
+
+def calc(x):
+    match x:
+        case int(n) if n > 0:
+            return math.isqrt(n) + OFFSET + sum(accumulate([1, 2]))
+        case _:
+            return "__getattr__ only in a string"  # and __globals__ in a comment
+'''
+
+DENIED = {
+    "dunder": ("def f(g):\n    return g.__globals__\n", "calc.py:2: uses the dunder name __globals__"),
+    "getattr": ("def f(o):\n    return getattr(o, 'x')\n", "calc.py:2: uses the builtin getattr()"),
+    "import_os": ("import os\n", "calc.py:1: imports os"),
+    "from_import": ("from importlib import util\n", "calc.py:1: imports importlib"),
+    "dotted_import": ("import os.path\n", "calc.py:1: imports os"),
+    "globals": ("x = 1\ny = globals()\n", "calc.py:2: uses the builtin globals()"),
+    "frame": ("def g():\n    yield 1\n\n\nf = g().gi_frame\n", "calc.py:5: uses the frame attribute .gi_frame"),
+    "fstring": ("x = f'{().__class__.__base__}'\n", "calc.py:1: uses the dunder name __base__"),
+    "match_kwd": ("def f(v):\n    match v:\n        case object(__dict__=d):\n            return d\n",
+                  "calc.py:3: uses the dunder name __dict__"),
+    "builtins_alias": ("import builtins as b\n", "calc.py:1: imports builtins"),
+    "imports_a_test": ("import test_calc_hidden\n", "calc.py:1: imports test_calc_hidden"),
+    "probe_name": ("__cj_probe__ = print\n", "calc.py:1: uses the dunder name __cj_probe__"),
+    "keyword": ("def f(**k):\n    return dict(__builtins__=1)\n", "calc.py:2: uses the dunder name __builtins__"),
+    "unparsable": ("def f(:\n", "calc.py: does not parse"),
+}
+
+
+def _workspace(tmp_path, files: dict) -> str:
+  ws = tmp_path / "ws"
+  for rel, text in {"helpers.py": "OFFSET = 2\n", **files}.items():
+    (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+    (ws / rel).write_text(text)
+  for rel in PROTECTED:  # the task's own files, read for their imports only
+    (ws / rel).write_text("import os\nimport calc\nfrom pkg import x\ny = os.__dict__\n")
+  return str(ws)
+
+
+def test_honest_code_of_every_allowed_form_passes(tmp_path):
+  assert pure_code.refusal(_workspace(tmp_path, {"calc.py": HONEST, "pkg/__init__.py": HONEST}),
+                           PROTECTED) is None
+
+
+@pytest.mark.parametrize("name", sorted(DENIED))
+def test_each_denied_form_is_refused_with_one_line_naming_file_and_line(tmp_path, name):
+  source, want = DENIED[name]
+  why = pure_code.refusal(_workspace(tmp_path, {"calc.py": source}), PROTECTED)
+  assert why is not None and why.startswith(want) and "\n" not in why, (name, why)
+
+
+def test_a_denied_form_in_a_nested_module_is_refused(tmp_path):
+  why = pure_code.refusal(_workspace(tmp_path, {"calc.py": HONEST, "pkg/deep/m.py": "import sys\n"}),
+                          PROTECTED)
+  assert why == (f"pkg{os.sep}deep{os.sep}m.py:1: imports sys; the workspace's code may import only "
+                 "its own modules and itertools, math")
+
+
+def test_only_code_the_tests_can_import_is_read(tmp_path):
+  """A scratch script no test imports may use anything; once an imported module imports it, not."""
+  scratch = "import subprocess, sys\nsubprocess.run([sys.executable, 'run_tests.py'])\n"
+  ws = _workspace(tmp_path, {"calc.py": HONEST, "try_it.py": scratch, "notes/broken.py": "def (:\n"})
+  assert pure_code.refusal(ws, PROTECTED) is None
+  write_text(os.path.join(ws, "helpers.py"), "import try_it\nOFFSET = 2\n")  # calc imports helpers
+  assert pure_code.refusal(ws, PROTECTED).startswith("try_it.py:1: imports subprocess")
+
+
+def test_a_package_in_place_of_a_protected_test_module_is_refused(tmp_path):
+  why = pure_code.refusal(_workspace(tmp_path, {"calc.py": HONEST,
+                                                "test_calc_hidden/__init__.py": "def test_x():\n    pass\n"}),
+                          PROTECTED)
+  assert why == f"test_calc_hidden{os.sep}__init__.py: shadows the protected test module test_calc_hidden"
+
+
+def test_a_link_or_an_oversized_file_is_refused(tmp_path):
+  ws = _workspace(tmp_path, {"calc.py": HONEST, "pkg/__init__.py": ""})  # the tests import pkg
+  os.symlink("/etc/passwd", os.path.join(ws, "pkg", "link.py"))
+  assert pure_code.refusal(ws, PROTECTED).startswith(f"pkg{os.sep}link.py: not a regular file")
+  os.remove(os.path.join(ws, "pkg", "link.py"))
+  write_text(os.path.join(ws, "pkg", "big.py"), "x = 1\n" * (pure_code.MAX_FILE_BYTES // 6 + 1))
+  assert pure_code.refusal(ws, PROTECTED).startswith(f"pkg{os.sep}big.py: not a regular file of at most")
+  shutil.rmtree(os.path.join(ws, "pkg"))  # a link to a folder, which the walk does not enter
+  write_text(os.path.join(ws, "real", "__init__.py"), "import os\nx = os.__dict__\n")
+  os.symlink("real", os.path.join(ws, "pkg"))
+  assert pure_code.refusal(ws, PROTECTED).startswith("pkg: not a regular file")
+
+
+def test_modules_are_found_from_each_pythonpath_folder(tmp_path):
+  ws = _workspace(tmp_path, {"calc.py": HONEST, "src/pkg/__init__.py": "import sys\n"})
+  assert pure_code.refusal(ws, PROTECTED) is None  # src/ is not on the path: pkg is not src/pkg
+  assert pure_code.refusal(ws, PROTECTED, [".", "src"]).startswith(
+      f"src{os.sep}pkg{os.sep}__init__.py:1: imports sys")
+
+
+@pytest.mark.skipif(not sbm.bwrap_available(), reason="bubblewrap cannot run here")
+def test_a_workspace_stdlib_name_no_longer_replaces_the_probes_own_module(tmp_path):
+  """A ``json.py`` whose ``dump`` wrote ``{}`` scored the gold 0: the probe imported it from
+  PYTHONPATH. Its code is allowed (no imports), so only the probe's import order keeps it out."""
+  task = synthetic.write_task(TEMPLATES["implement"].make(random.Random("pure/json/1"), 1),
+                              str(tmp_path / "implement-1"))
+  ws = str(tmp_path / "ws")
+  shutil.copytree(task.workspace_dir, ws)
+  for rel in task.gold_files:
+    write_text(os.path.join(ws, rel), read_text(os.path.join(task.gold_dir, rel)))
+  write_text(os.path.join(ws, "json.py"), "def dump(obj, f, **k):\n    f.write('{}')\n")
+  got = grade(task, ws)
+  assert got.reward == 1.0 and "code_refused" not in got.details, got.details
