@@ -134,7 +134,7 @@ def refusal(root: str, protected, pythonpath=(".",)) -> str | None:
   for entry in pythonpath:
     for rel in files:
       sub = os.path.relpath(rel, entry)
-      if not sub.startswith(os.pardir):
+      if sub != os.pardir and not sub.startswith(os.pardir + os.sep):  # ..x.py is under entry
         by_top.setdefault(sub.split(os.sep)[0].removesuffix(".py"), []).append(rel)
   local = frozenset(by_top)
   tests = {rel.removesuffix(".py") for rel in protected if os.sep not in rel}
