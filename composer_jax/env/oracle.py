@@ -220,7 +220,7 @@ def encode(v, depth: int = 0):
     return ["str", v]
   if t is bytes:
     return ["bytes", v.hex()]
-  if t in (list, tuple, set, frozenset):
+  if t is list or t is tuple or t is set or t is frozenset:  # ``in`` would ask a metaclass's __eq__
     items = list(v)
     if t in (set, frozenset):
       items.sort(key=repr)

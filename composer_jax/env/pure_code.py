@@ -12,9 +12,12 @@ file or the interpreter.
 
 What stays reachable, and why it is enough: builtins other than ``DENIED``; ``math`` and
 ``itertools``, C modules with no attribute that leads to another module; the workspace's own modules,
-which pass this same check. ``str.format``'s ``{0.__globals__}`` reads attributes too, but it only
-returns a string. The identifiers are read from the AST, so names inside f-strings and ``match``
-patterns count, and strings and comments do not.
+which pass this same check. Attribute names that are strings at run time are the way around an
+identifier check, so the two that read by string are bounded: ``str.format``'s ``{0.__globals__}``
+only returns a string and ``hasattr`` a bool, and positional class patterns (``case C(x)``, which
+read the names in ``C.__match_args__``; a class made by ``type(name, bases, {...})`` sets it and
+any hook from plain strings) are refused. The identifiers are read from the AST, so names inside
+f-strings and ``match`` patterns count, and strings and comments do not.
 """
 
 from __future__ import annotations
@@ -92,6 +95,10 @@ def check_tree(tree: ast.AST, rel: str, local: frozenset[str]) -> str | None:
     why = why_denied(name)
     if why:
       return f"{rel}:{line}: uses {why}, which reaches outside the code under test"
+  for node in ast.walk(tree):
+    if isinstance(node, ast.MatchClass) and node.patterns:
+      return (f"{rel}:{node.lineno}: a positional class pattern reads the attributes its class's "
+              "__match_args__ names at run time; use keyword patterns (case C(x=v))")
   return None
 
 

@@ -252,6 +252,9 @@ def test_values_that_are_not_plain_data_equal_nothing():
     got = oracle.decode(oracle.encode(v))
     assert not oracle.matches(got, oracle.Expected(0, 3, False))
     assert not oracle.matches(got, oracle.Expected(0, [3], False))
+  # a metaclass whose == says yes: ``t in (list, ...)`` took it for a list
+  meta = type("Meta", (type,), {"__eq__": lambda c, o: True, "__hash__": type.__hash__})
+  assert oracle.encode(meta("list", (), {"__iter__": lambda s: iter([3])})()) == ["other", "list"]
   for junk in ([], ["int", "x"], ["list", 5], ["dict", [[["list", []], ["none"]]]], "s", None):
     assert not oracle.matches(oracle.decode(junk), oracle.Expected(0, None, False))
   # check() compares types, assert == does not (True == 1, as the original asserts had it).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 
 import pytest
@@ -17,6 +18,7 @@ from composer_jax.env.synthetic import TEMPLATES
 from composer_jax.env.tasks import read_text, write_text
 
 LEVELS = [(name, d) for name, t in TEMPLATES.items() for d in t.levels]
+needs_bwrap = pytest.mark.skipif(not sbm.bwrap_available(), reason="bubblewrap cannot run here")
 PROTECTED = ["run_tests.py", "test_calc.py", "test_calc_hidden.py"]
 
 
@@ -55,8 +57,10 @@ class Acc:
 
 def calc(x):
     match x:
-        case int(n) if n > 0:
+        case int() as n if n > 0:
             return math.isqrt(n) + OFFSET + sum(accumulate([1, 2]))
+        case Acc(total=t):
+            return t
         case _:
             return "__getattr__ only in a string"  # and __globals__ in a comment
 '''
@@ -77,6 +81,8 @@ DENIED = {
     "probe_name": ("__cj_probe__ = print\n", "calc.py:1: uses the dunder name __cj_probe__"),
     "keyword": ("def f(**k):\n    return dict(__builtins__=1)\n", "calc.py:2: uses the dunder name __builtins__"),
     "unparsable": ("def f(:\n", "calc.py: does not parse"),
+    "match_positional": ("def f(v, C):\n    match v:\n        case C(g):\n            return g\n",
+                         "calc.py:3: a positional class pattern reads the attributes"),
 }
 
 
@@ -145,7 +151,48 @@ def test_modules_are_found_from_each_pythonpath_folder(tmp_path):
       f"src{os.sep}pkg{os.sep}__init__.py:1: imports sys")
 
 
-@pytest.mark.skipif(not sbm.bwrap_available(), reason="bubblewrap cannot run here")
+# Found by red-teaming stop 70's first version: a class pattern reads the attribute its class's
+# ``__match_args__`` names, a string; ``type()`` sets that and ``__instancecheck__`` from strings.
+# From a function's ``__globals__``: bind the old name unspelled, and wrap the probe.
+MATCH_ARGS_ATTACK = '''
+Meta = type("Meta", (type,), {"__instancecheck__": lambda c, o: True})
+Get = Meta("Get", (), {"__match_args__": ("__glob" + "als__",)})
+
+
+def _g(f):
+    match f:
+        case Get(g):
+            return g
+
+
+G = _g(NEW)
+G[OLD_SPLIT] = NEW
+B = G["__built" + "ins__"]
+_orig = B["__cj_pr" + "obe__"]
+B["__cj_pr" + "obe__"] = lambda i, v: _orig(i, True if v is False else v)
+'''
+
+
+@needs_bwrap
+def test_a_match_args_attack_is_refused_and_real(tmp_path, monkeypatch):
+  task = synthetic.write_task(TEMPLATES["rename"].make(random.Random("pure/rename/1"), 1),
+                              str(tmp_path / "rename-1"))
+  hidden = next(r for r in task.hidden_tests if r.startswith("test_"))
+  amod, old = re.search(r"hasattr\((\w+), '(\w+)'\)", read_text(os.path.join(task.protected_dir, hidden))).groups()
+  new = re.search(r"^def (\w+)\(", read_text(os.path.join(task.gold_dir, f"{amod}.py")), re.M).group(1)
+  ws = str(tmp_path / "ws")
+  shutil.copytree(task.workspace_dir, ws)
+  for rel in task.gold_files:
+    write_text(os.path.join(ws, rel), read_text(os.path.join(task.gold_dir, rel)))
+  attack = MATCH_ARGS_ATTACK.replace("OLD_SPLIT", f"{old[:2]!r} + {old[2:]!r}").replace("NEW", new)
+  write_text(os.path.join(ws, f"{amod}.py"), read_text(os.path.join(ws, f"{amod}.py")) + attack)
+  got = grade(task, ws)
+  assert got.reward == 0.0 and "positional class pattern" in got.details["code_refused"], got.details
+  monkeypatch.setattr(pure_code, "refusal", lambda *a: None)  # unrefused, it claims the old name gone
+  assert grade(task, ws).reward == 1.0
+
+
+@needs_bwrap
 def test_a_workspace_stdlib_name_no_longer_replaces_the_probes_own_module(tmp_path):
   """A ``json.py`` whose ``dump`` wrote ``{}`` scored the gold 0: the probe imported it from
   PYTHONPATH. Its code is allowed (no imports), so only the probe's import order keeps it out."""
