@@ -68,7 +68,7 @@ OPS = {ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", 
 _OP_FUNCS = {"!=": operator.ne, "<": operator.lt, "<=": operator.le, ">": operator.gt,
              ">=": operator.ge, "in": lambda a, b: a in b, "not in": lambda a, b: a not in b,
              "is not": operator.is_not}
-_NOT = object()  # "not a literal"
+_NOT = NOT_LITERAL = object()  # "not a literal" (probe_rewrite shares it)
 
 
 def singleton(node: ast.AST) -> bool:
@@ -104,7 +104,7 @@ class _Rewrite(ast.NodeTransformer):
         and call.func.id == "check"):
       if len(call.args) != 2 or call.keywords:
         self._refuse("check() takes (got, want)")
-      want = _literal(call.args[1])
+      want = literal(call.args[1])
       if want is _NOT:
         self._refuse(f"expected value {ast.unparse(call.args[1])!r} is not a literal")
       return self._probe(call.args[0], want, True, node)
@@ -124,7 +124,7 @@ class _Rewrite(ast.NodeTransformer):
     if len(t.ops) != 1:
       self._refuse(f"{ast.unparse(t)!r} chains comparisons; write one assert per comparison")
     (op,), a, b = t.ops, t.left, t.comparators[0]
-    va, vb = _literal(a), _literal(b)
+    va, vb = literal(a), literal(b)
     if vb is not _NOT and va is _NOT:
       computed, want, side = a, vb, "right"
     elif va is not _NOT and vb is _NOT:
@@ -134,8 +134,8 @@ class _Rewrite(ast.NodeTransformer):
                    f"{ast.unparse(t)!r} compares two literals")
     if isinstance(op, ast.Eq):
       return self._probe(computed, want, False, node)
-    literal = b if side == "right" else a
-    if isinstance(op, (ast.Is, ast.IsNot)) and not singleton(literal):
+    lit = b if side == "right" else a
+    if isinstance(op, (ast.Is, ast.IsNot)) and not singleton(lit):
       self._refuse(f"{ast.unparse(t)!r}: ``is`` checks only None, True or False")
     if isinstance(op, ast.Is):  # only that very value passes: type and value
       return self._probe(computed, want, True, node)
@@ -154,7 +154,7 @@ class _Rewrite(ast.NodeTransformer):
     return ()
 
 
-def _literal(node: ast.AST):
+def literal(node: ast.AST):
   """``node``'s value if it is a literal, else ``_NOT``."""
   try:
     return ast.literal_eval(node)

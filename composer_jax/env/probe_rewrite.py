@@ -44,17 +44,14 @@ class Probe:
     return self.rows[k] if type(k) is int and 0 <= k < len(self.rows) else _NOT
 
 
-_NOT = object()
+_NOT = oracle.NOT_LITERAL
 
 
 def _value(node: ast.AST):
-  """``node``'s value if it is a literal (``ast.literal_eval``), else ``_NOT``."""
+  """``node``'s value if it is a literal (``oracle.literal``; a bare ``...`` is not), else ``_NOT``."""
   if isinstance(node, ast.Constant) and node.value is Ellipsis:
     return _NOT
-  try:
-    return ast.literal_eval(node)
-  except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-    return _NOT
+  return oracle.literal(node)
 
 
 _singleton = oracle.singleton
