@@ -11,16 +11,15 @@ from __future__ import annotations
 import ast
 import json
 import os
-import random
-import re
 import shutil
 
 import pytest
 
-from composer_jax.env import oracle, pure_code, synthetic
+from composer_jax.env import oracle, pure_code
 from composer_jax.env.grading import grade
-from composer_jax.env.synthetic import TEMPLATES
 from composer_jax.env.tasks import read_text, write_text
+
+from tests.env.rename_task import gold_rename
 
 # (the assert on ``got``, its operator as the host records it, the literal's side)
 ASSERTS = [
@@ -134,18 +133,13 @@ if _p is not None:
 
 
 def test_a_rename_that_keeps_the_old_name_and_claims_it_gone_scores_zero(tmp_path, monkeypatch):
-  task = synthetic.write_task(TEMPLATES["rename"].make(random.Random("oracle/rename/1"), 1),
-                              str(tmp_path / "rename-1"))
+  task, gold, amod, old, new = gold_rename(tmp_path, "oracle/rename/1")
   hidden = next(r for r in task.hidden_tests if r.startswith("test_"))
-  amod, old = re.search(r"hasattr\((\w+), '(\w+)'\)", read_text(os.path.join(task.protected_dir, hidden))).groups()
-  new = re.search(r"^def (\w+)\(", read_text(os.path.join(task.gold_dir, f"{amod}.py")), re.M).group(1)
 
   def ws(extra: str) -> str:
-    d = str(tmp_path / "ws")
+    d = str(tmp_path / "graded")
     shutil.rmtree(d, ignore_errors=True)
-    shutil.copytree(task.workspace_dir, d)
-    for rel in task.gold_files:
-      write_text(os.path.join(d, rel), read_text(os.path.join(task.gold_dir, rel)))
+    shutil.copytree(gold, d)
     write_text(os.path.join(d, f"{amod}.py"), read_text(os.path.join(d, f"{amod}.py")) + extra)
     return d
 

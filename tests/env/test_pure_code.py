@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import shutil
 
 import pytest
@@ -16,6 +15,8 @@ from composer_jax.env import sandbox as sbm
 from composer_jax.env.grading import grade
 from composer_jax.env.synthetic import TEMPLATES
 from composer_jax.env.tasks import read_text, write_text
+
+from tests.env.rename_task import gold_rename
 
 LEVELS = [(name, d) for name, t in TEMPLATES.items() for d in t.levels]
 needs_bwrap = pytest.mark.skipif(not sbm.bwrap_available(), reason="bubblewrap cannot run here")
@@ -175,15 +176,7 @@ B["__cj_pr" + "obe__"] = lambda i, v: _orig(i, True if v is False else v)
 
 @needs_bwrap
 def test_a_match_args_attack_is_refused_and_real(tmp_path, monkeypatch):
-  task = synthetic.write_task(TEMPLATES["rename"].make(random.Random("pure/rename/1"), 1),
-                              str(tmp_path / "rename-1"))
-  hidden = next(r for r in task.hidden_tests if r.startswith("test_"))
-  amod, old = re.search(r"hasattr\((\w+), '(\w+)'\)", read_text(os.path.join(task.protected_dir, hidden))).groups()
-  new = re.search(r"^def (\w+)\(", read_text(os.path.join(task.gold_dir, f"{amod}.py")), re.M).group(1)
-  ws = str(tmp_path / "ws")
-  shutil.copytree(task.workspace_dir, ws)
-  for rel in task.gold_files:
-    write_text(os.path.join(ws, rel), read_text(os.path.join(task.gold_dir, rel)))
+  task, ws, amod, old, new = gold_rename(tmp_path, "pure/rename/1")
   attack = MATCH_ARGS_ATTACK.replace("OLD_SPLIT", f"{old[:2]!r} + {old[2:]!r}").replace("NEW", new)
   write_text(os.path.join(ws, f"{amod}.py"), read_text(os.path.join(ws, f"{amod}.py")) + attack)
   got = grade(task, ws)
