@@ -155,7 +155,7 @@ class _Rewrite(ast.NodeTransformer):
 
 
 def literal(node: ast.AST):
-  """``node``'s value if it is a literal, else ``_NOT``."""
+  """``node``'s value if it is a literal, else ``NOT_LITERAL``."""
   try:
     return ast.literal_eval(node)
   except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
