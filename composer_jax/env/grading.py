@@ -153,7 +153,7 @@ def run_value_checks(task: Task, root: str, limits: Limits,
       f.write(text)
   hidden = sorted(set(files) & set(task.hidden_tests))
   refused = pure_code.refusal(root, task.test_files,  # code that could reach the probe never runs
-                              (task.environment_setup or {}).get("pythonpath", ["."]))
+                              (task.environment_setup or {}).get("pythonpath", ["."]), files)
   if refused:
     return {}, refused, False, oracle.checks_right(expected, {}, hidden), refused
   with scratch.temp_dir("cj-values-") as rep:

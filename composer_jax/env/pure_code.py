@@ -12,7 +12,9 @@ file or the interpreter.
 
 What stays reachable, and why it is enough: builtins other than ``DENIED``; ``math`` and
 ``itertools``, C modules with no attribute that leads to another module; the workspace's own modules,
-which pass this same check. Attribute names that are strings at run time are the way around an
+which pass this same check. A workspace module named like a stdlib module (or ``__main__``) may not
+be imported: where the probe already holds the interpreter's module of that name, ``import`` returns
+that one, and the benign file that was read never runs. Attribute names that are strings at run time are the way around an
 identifier check, so the two that read by string are bounded: ``str.format``'s ``{0.__globals__}``
 only returns a string and ``hasattr`` a bool, and positional class patterns (``case C(x)``, which
 read the names in ``C.__match_args__``; a class made by ``type(name, bases, {...})`` sets it and
@@ -24,12 +26,18 @@ from __future__ import annotations
 
 import ast
 import os
+import sys
 
 from composer_jax.env import guards, oracle
 
 MAX_FILE_BYTES = 1 << 20
 
 STDLIB = frozenset({"math", "itertools", "__future__"})
+# A workspace module named like one of these is not what ``import`` gives when the probe already
+# holds the interpreter's own (``os``, ``sys``, ``json``, the probe as ``__main__``: sys.modules
+# answers before the path is searched), so reading the workspace file would vouch for code that
+# never runs.
+INTERPRETER_NAMES = frozenset(sys.stdlib_module_names | set(sys.builtin_module_names) | {"__main__"})
 
 # Builtins that reach a namespace (globals, vars), an attribute by name (getattr), a compiler (eval)
 # or the file system (open).
@@ -88,6 +96,9 @@ def check_tree(tree: ast.AST, rel: str, local: frozenset[str]) -> str | None:
   """Why the module ``tree`` (the file ``rel``) may not run beside the probe, or None when it may;
   ``local``: the top-level modules it may import besides ``STDLIB``."""
   for line, top in imported(tree):
+    why = _shadowed(top, local, rel, line)
+    if why:
+      return why
     if top not in STDLIB and top not in local:
       return (f"{rel}:{line}: imports {top}; the workspace's code may import only its own "
               f"modules and {', '.join(sorted(STDLIB - {'__future__'}))}")
@@ -99,6 +110,13 @@ def check_tree(tree: ast.AST, rel: str, local: frozenset[str]) -> str | None:
     if isinstance(node, ast.MatchClass) and node.patterns:
       return (f"{rel}:{node.lineno}: a positional class pattern reads the attributes its class's "
               "__match_args__ names at run time; use keyword patterns (case C(x=v))")
+  return None
+
+
+def _shadowed(top: str, local: frozenset[str], rel: str, line: int) -> str | None:
+  if top in local and top in INTERPRETER_NAMES:
+    return (f"{rel}:{line}: imports {top}, and the workspace has a module of that name: the "
+            f"interpreter's own {top} may be the one that loads; rename the workspace's {top}")
   return None
 
 
@@ -127,10 +145,11 @@ def _parse(root: str, rel: str) -> tuple[ast.AST | None, str | None]:
     return None, f"{rel}: does not parse"
 
 
-def refusal(root: str, protected, pythonpath=(".",)) -> str | None:
+def refusal(root: str, protected, pythonpath=(".",), entries=None) -> str | None:
   """Why the graded copy at ``root`` may not run beside the probe (one line), or None. ``protected``:
   the task's test files and runner, restored from the task store (and not importable by the code);
-  ``pythonpath``: the folders of ``root`` the tests import from (the task's ``pythonpath``).
+  ``pythonpath``: the folders of ``root`` the tests import from (the task's ``pythonpath``);
+  ``entries``: the protected files the probe imports (default: all), where reading starts.
 
   Only code that can run is read: the workspace modules the test files import, then those that
   these import, each top-level module or package whole. No other way to load a module is left
@@ -149,10 +168,10 @@ def refusal(root: str, protected, pythonpath=(".",)) -> str | None:
   if shadows:
     return f"{by_top[shadows[0]][0]}: shadows the protected test module {shadows[0]}"
   todo = set()
-  for rel in protected:  # the task's own files: trusted, read for their imports only
+  for rel in protected if entries is None else entries:  # trusted, read for their imports only
     tree, _ = _parse(root, rel) if rel.endswith(".py") else (None, None)
-    if tree is not None:
-      todo |= {top for _, top in imported(tree)} & local
+    if tree is not None:  # trusted: a stdlib name it imports loads either the interpreter's or
+      todo |= {top for _, top in imported(tree)} & local  # the workspace's, read below
   seen = set()
   while todo:
     top = min(todo)

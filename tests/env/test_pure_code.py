@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 
 import pytest
 
@@ -185,6 +186,44 @@ def test_a_match_args_attack_is_refused_and_real(tmp_path, monkeypatch):
   assert grade(task, ws).reward == 1.0
 
 
+# The probe has imported sys and operator (through json) before any workspace code runs, and it is
+# __main__ itself; so ``import sys`` gives the interpreter's sys whatever the workspace's sys.py says.
+PRELOADED = {
+    "sys": ("import operator\nimport sys\n", "sys", "operator.attrgetter"),
+    "__main__": ("import __main__\n", "__main__.sys", "__main__.sys.modules['operator'].attrgetter"),
+}
+PRELOADED_ATTACK = '''
+G = ATTRGETTER("__di" + "ct__")(SYS.modules[__name__])
+G[OLD_SPLIT] = NEW
+B = G["__built" + "ins__"]
+_orig = B["__cj_pr" + "obe__"]
+B["__cj_pr" + "obe__"] = lambda i, v: _orig(i, True if v is False else v)
+'''
+
+
+@needs_bwrap
+@pytest.mark.parametrize("via", sorted(PRELOADED))
+def test_a_workspace_module_named_like_a_loaded_one_is_refused_and_real(tmp_path, monkeypatch, via):
+  """Benign ``sys.py`` and ``operator.py`` (or ``__main__.py``) passed the read, so ``import sys``
+  looked like the workspace's own module; at run time it was the probe's sys, and through it the
+  attack claimed the rename with the old name kept. Importing a workspace module named like a stdlib
+  module, or like ``__main__``, is now refused."""
+  task, ws, amod, old, new = gold_rename(tmp_path, f"pure/preloaded/{via}")
+  head, sys_expr, attrgetter = PRELOADED[via]
+  attack = head + PRELOADED_ATTACK.replace("OLD_SPLIT", f"{old[:2]!r} + {old[2:]!r}").replace(
+      "NEW", new).replace("ATTRGETTER", attrgetter).replace("SYS", sys_expr)
+  write_text(os.path.join(ws, f"{amod}.py"), read_text(os.path.join(ws, f"{amod}.py")) + attack)
+  shadows = head.replace("import ", "").split()
+  for mod in shadows:
+    write_text(os.path.join(ws, f"{mod}.py"), '"""Nothing here."""\n')
+  got = grade(task, ws)
+  assert got.reward == 0.0, got.details
+  assert f"{amod}.py:" in got.details["code_refused"], got.details
+  assert f"imports {shadows[0]}, and the workspace has a module" in got.details["code_refused"]
+  monkeypatch.setattr(pure_code, "INTERPRETER_NAMES", frozenset())  # the read before this check
+  assert grade(task, ws).reward == 1.0
+
+
 @needs_bwrap
 def test_a_workspace_stdlib_name_no_longer_replaces_the_probes_own_module(tmp_path):
   """A ``json.py`` whose ``dump`` wrote ``{}`` scored the gold 0: the probe imported it from
@@ -198,3 +237,32 @@ def test_a_workspace_stdlib_name_no_longer_replaces_the_probes_own_module(tmp_pa
   write_text(os.path.join(ws, "json.py"), "def dump(obj, f, **k):\n    f.write('{}')\n")
   got = grade(task, ws)
   assert got.reward == 1.0 and "code_refused" not in got.details, got.details
+
+
+@needs_bwrap
+@pytest.mark.parametrize("name,d", [("implement", 1), ("rename", 2)])
+def test_the_probe_imports_no_stdlib_module_once_the_workspace_is_on_its_path(tmp_path, name, d):
+  """A workspace module named after any stdlib module, that no test imports, is never read; so the
+  probe must import none after the workspace joins ``sys.path`` (a lazy import inside ``json.dump``
+  or ``open`` would load the workspace's copy). Each shadow kills the probe; the gold still scores
+  1.0. The control: gold that imports one such name is refused, and with the refusal off it scores 0.
+  The runner (``run_tests.py``) imports a dozen of them, but the probe does not run it."""
+  task = synthetic.write_task(TEMPLATES[name].make(random.Random(f"pure/shadows/{d}"), d),
+                              str(tmp_path / "task"))
+  ws = str(tmp_path / "ws")
+  shutil.copytree(task.workspace_dir, ws)
+  for rel in task.gold_files:
+    write_text(os.path.join(ws, rel), read_text(os.path.join(task.gold_dir, rel)))
+  local = {f.removesuffix(".py") for f in os.listdir(ws)}
+  for mod in sorted(sys.stdlib_module_names - local - {"__future__"}):
+    write_text(os.path.join(ws, mod + ".py"), "import os\nos._exit(9)\n")
+  got = grade(task, ws)
+  assert got.reward == 1.0 and "code_refused" not in got.details, got.details
+
+  for rel in task.gold_files:
+    write_text(os.path.join(ws, rel), "import textwrap\n" + read_text(os.path.join(ws, rel)))
+  got = grade(task, ws)
+  assert "imports textwrap, and the workspace has a module of that name" in got.details["code_refused"]
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(pure_code, "refusal", lambda *a, **k: None)
+    assert grade(task, ws).reward == 0.0
