@@ -39,6 +39,7 @@ import operator
 import os
 import threading
 import tokenize
+import unicodedata
 
 from composer_jax.env.guards import read_regular
 
@@ -409,7 +410,8 @@ def _absent_from(root: str, name: str, module: str) -> bool:
     if blob is None:
       return False
     try:
-      if any(t.type == tokenize.NAME and t.string == name
+      # The compiler binds identifiers NFKC-normalised (a fullwidth "ｏｌｄ" is old); tokenize does not.
+      if any(t.type == tokenize.NAME and unicodedata.normalize("NFKC", t.string) == name
              for t in tokenize.tokenize(io.BytesIO(blob).readline)):
         return False
     except (tokenize.TokenError, SyntaxError, UnicodeDecodeError):
