@@ -156,6 +156,7 @@ def run_value_checks(task: Task, root: str, limits: Limits,
                               (task.environment_setup or {}).get("pythonpath", ["."]), files)
   if refused:
     return {}, refused, False, oracle.checks_right(expected, {}, hidden), refused
+  gone = oracle.names_gone(expected, root)  # before the code under test could rewrite its files
   with scratch.temp_dir("cj-values-") as rep:
     probe, out = os.path.join(rep, "probe.py"), os.path.join(rep, "values.json")
     with open(probe, "w", encoding="utf-8") as f:
@@ -168,7 +169,7 @@ def run_value_checks(task: Task, root: str, limits: Limits,
     results = oracle.read_results(out)
   if results is None:
     return {}, r.output, False, oracle.checks_right(expected, {}, hidden), None
-  results = oracle.confirm_on_host(expected, results, root)
+  results = oracle.confirm_on_host(expected, results, gone)
   return (oracle.outcomes(expected, results), r.output, True,
           oracle.checks_right(expected, results, hidden), None)
 

@@ -377,8 +377,17 @@ def read_results(path: str) -> dict | None:
 MAX_MODULE_BYTES = 1 << 20  # a module file bigger than this does not confirm an absence
 
 
-def confirm_on_host(expected: dict[str, dict[str, list[Expected]]], results: dict, root: str) -> dict:
-  """``results`` with a failing value added to each ``absent`` probe that the host cannot confirm.
+def names_gone(expected: dict[str, dict[str, list[Expected]]], root: str) -> frozenset:
+  """The ``(name, module)`` of each ``absent`` probe whose module file in ``root`` no longer names
+  it (``_absent_from``). Read before the sandbox runs: code under test that broke out could rewrite
+  its own file in the graded copy before the host looked."""
+  return frozenset(e.absent for tests in expected.values() for exp in tests.values() for e in exp
+                   if e.absent and _absent_from(root, *e.absent))
+
+
+def confirm_on_host(expected: dict[str, dict[str, list[Expected]]], results: dict,
+                    gone: frozenset) -> dict:
+  """``results`` with a failing value added to each ``absent`` probe not in ``gone`` (``names_gone``).
 
   ``assert not hasattr(m, "old")`` expects True, which code under test can claim (it can wrap the
   probe, or write the values file). The host reads the graded copy's ``m.py`` (or
@@ -392,7 +401,7 @@ def confirm_on_host(expected: dict[str, dict[str, list[Expected]]], results: dic
       rec = got_file.get(test) if isinstance(got_file, dict) else None
       values = rec.get("values") if isinstance(rec, dict) else None
       for e in exp:
-        if e.absent and isinstance(values, list) and not _absent_from(root, *e.absent):
+        if e.absent and isinstance(values, list) and e.absent not in gone:
           values.append([e.index, ["other", "named on the host"]])
   return results
 

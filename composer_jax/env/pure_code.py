@@ -15,10 +15,12 @@ What stays reachable, and why it is enough: builtins other than ``DENIED``; ``ma
 which pass this same check. A workspace module named like a stdlib module (or ``__main__``) may not
 be imported: where the probe already holds the interpreter's module of that name, ``import`` returns
 that one, and the benign file that was read never runs. Attribute names that are strings at run time are the way around an
-identifier check, so the two that read by string are bounded: ``str.format``'s ``{0.__globals__}``
-only returns a string and ``hasattr`` a bool, and positional class patterns (``case C(x)``, which
+identifier check, so the ones that read by string are refused: ``str.format`` and ``format_map``
+(``"{0.__globals__.x}".format(f)`` fails on the last part, and the ``AttributeError``'s ``.obj`` is
+the globals dict; ``.obj`` is refused too), and positional class patterns (``case C(x)``, which
 read the names in ``C.__match_args__``; a class made by ``type(name, bases, {...})`` sets it and
-any hook from plain strings) are refused. The identifiers are read from the AST, so names inside
+any hook from plain strings). ``hasattr`` only returns a bool, and f-strings name their
+attributes in the AST. The identifiers are read from the AST, so names inside
 f-strings and ``match`` patterns count, and strings and comments do not.
 """
 
@@ -48,6 +50,10 @@ DENIED = frozenset({"eval", "exec", "compile", "globals", "locals", "vars", "get
 FRAME_ATTRS = frozenset({"gi_frame", "cr_frame", "ag_frame", "tb_frame", "tb_next", "f_back",
                          "f_globals", "f_locals", "f_builtins", "f_code", "gi_code", "cr_code",
                          "ag_code", "cell_contents"})
+
+# Attribute names that read other attributes by a run-time string (``"{0.__globals__.x}".format(f)``)
+# or hand back the object such a read failed on (``AttributeError.obj``: the globals dict above).
+STRING_READS = frozenset({"format", "format_map", "obj"})
 
 _OPERATORS = ("add sub mul matmul truediv floordiv mod pow lshift rshift and or xor divmod").split()
 DUNDERS = frozenset(
@@ -107,6 +113,12 @@ def check_tree(tree: ast.AST, rel: str, local: frozenset[str]) -> str | None:
     if why:
       return f"{rel}:{line}: uses {why}, which reaches outside the code under test"
   for node in ast.walk(tree):
+    names = ([node.attr] if isinstance(node, ast.Attribute) else
+             node.kwd_attrs if isinstance(node, ast.MatchClass) else [])
+    for name in set(names) & STRING_READS:
+      return (f"{rel}:{node.lineno}: uses .{name}, which reads attributes named by a string at run "
+              "time (str.format) or hands back the object such a read failed on "
+              "(AttributeError.obj); use an f-string")
     if isinstance(node, ast.MatchClass) and node.patterns:
       return (f"{rel}:{node.lineno}: a positional class pattern reads the attributes its class's "
               "__match_args__ names at run time; use keyword patterns (case C(x=v))")

@@ -91,7 +91,8 @@ def _absent_case(tmp_path, files: dict, links: dict = ()):
   for rel, target in dict(links).items():
     os.symlink(target, root / rel)
   claim = {"test_m.py": {"test_gone": {"status": "ok", "values": [[0, oracle.encode(True)]]}}}
-  results = oracle.confirm_on_host({"test_m.py": expected}, claim, str(root))
+  results = oracle.confirm_on_host({"test_m.py": expected}, claim,
+                                   oracle.names_gone({"test_m.py": expected}, str(root)))
   return oracle.outcomes({"test_m.py": expected}, results)["test_m.py::test_gone"]
 
 
@@ -111,12 +112,12 @@ def test_an_absence_is_confirmed_from_the_module_file(tmp_path):
   assert _absent_case(tmp_path, {"m.py": clean, "m/__init__.py": clean}) == "passed"
 
 
-def test_confirm_on_host_leaves_other_checks_and_hostile_results_alone(tmp_path):
+def test_confirm_on_host_leaves_other_checks_and_hostile_results_alone():
   exp = {"test_m.py": {"test_a": [oracle.Expected(0, 1, True)]}}
   for results in ({}, [], {"test_m.py": []}, {"test_m.py": {"test_a": {"values": 5}}}):
-    assert oracle.confirm_on_host(exp, results, str(tmp_path)) == results
+    assert oracle.confirm_on_host(exp, results, frozenset()) == results
   rec = {"test_m.py": {"test_a": {"status": "ok", "values": [[0, ["int", "1"]]]}}}
-  assert oracle.confirm_on_host(exp, json.loads(json.dumps(rec)), str(tmp_path)) == rec
+  assert oracle.confirm_on_host(exp, json.loads(json.dumps(rec)), frozenset()) == rec
   # a module that the workspace does not have (``import os``) gets no host check
   _, expected = oracle.split_checks("import os\n\ndef test_a():\n    assert not hasattr(os, 'x')\n",
                                     "test_m.py", modules={"m"})
@@ -153,7 +154,7 @@ def test_a_rename_that_keeps_the_old_name_and_claims_it_gone_scores_zero(tmp_pat
   assert refused.reward == 0.0 and "imports builtins" in refused.details["code_refused"]
   monkeypatch.setattr(pure_code, "refusal", lambda *a: None)  # the second layer alone
   with monkeypatch.context() as m:  # without the host's check, the claim earns full reward
-    m.setattr(oracle, "confirm_on_host", lambda expected, results, root: results)
+    m.setattr(oracle, "confirm_on_host", lambda expected, results, gone: results)
     assert grade(task, forged).reward == 1.0
   got = grade(task, forged)
   assert got.reward == 0.0 and gone in got.details["failed_tests"]

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from composer_jax.env import pure_code, synthetic
+from composer_jax.env import oracle, pure_code, synthetic
 from composer_jax.env import sandbox as sbm
 from composer_jax.env.grading import grade
 from composer_jax.env.synthetic import TEMPLATES
@@ -222,6 +222,72 @@ def test_a_workspace_module_named_like_a_loaded_one_is_refused_and_real(tmp_path
   assert f"imports {shadows[0]}, and the workspace has a module" in got.details["code_refused"]
   monkeypatch.setattr(pure_code, "INTERPRETER_NAMES", frozenset())  # the read before this check
   assert grade(task, ws).reward == 1.0
+
+
+# A red-team helper's (stop 72): str.format reads ``f.__globals__`` by a run-time string, fails on
+# the next part, and CPython's AttributeError carries ``.obj``, the globals dict. Two spellings.
+LEAKS = {
+    "format": '''
+def _leak(o, path):
+    try:
+        ("{0" + path + ".no_such_attr_x}").format(o)
+    except AttributeError as e:
+        return e.obj
+''',
+    "format_map": '''
+def _leak(o, path):
+    try:
+        ("{x" + path + ".no_such_attr_x}").format_map({"x": o})
+    except AttributeError as e:
+        match e:
+            case AttributeError(obj=got):
+                return got
+'''}
+LEAK_ATTACK = '''
+
+G = _leak(NEW, ".__glo" + "bals__")
+B = G["__built" + "ins__"]
+if type(B) is not dict:
+    B = _leak(B, ".__di" + "ct__")
+_orig = B["__cj_pr" + "obe__"]
+B["__cj_pr" + "obe__"] = lambda i, v: _orig(i, True if v is False else v)
+'''
+
+
+@needs_bwrap
+@pytest.mark.parametrize("via", sorted(LEAKS))
+def test_the_format_leak_is_refused_and_real(tmp_path, monkeypatch, via):
+  """The leak binds the old name unspelled and wraps the probe: 1.0 with the rename undone."""
+  task, ws, amod, old, new = gold_rename(tmp_path, f"pure/leak/{via}")
+  attack = LEAKS[via] + LEAK_ATTACK.replace("NEW", new) + f"G[{old[:2]!r} + {old[2:]!r}] = {new}\n"
+  write_text(os.path.join(ws, f"{amod}.py"), read_text(os.path.join(ws, f"{amod}.py")) + attack)
+  got = grade(task, ws)
+  assert got.reward == 0.0 and f"uses .{via}, which reads attributes" in got.details["code_refused"]
+  monkeypatch.setattr(pure_code, "refusal", lambda *a: None)
+  assert grade(task, ws).reward == 1.0
+
+
+@needs_bwrap
+def test_the_host_reads_the_renamed_module_before_the_code_runs(tmp_path, monkeypatch):
+  """With the leak's ``open``, the start module (the old ``def`` kept, the new name an alias)
+  rewrote its own file in the graded copy, and the host's token check, read after the run, saw no
+  old name: 1.0 for no rename at all. The host reads the module before the sandbox starts now."""
+  task, ws, amod, old, new = gold_rename(tmp_path, "pure/leak/rewrite")
+  for rel in task.gold_files:  # the start workspace: nothing renamed
+    shutil.copy(os.path.join(task.workspace_dir, rel), os.path.join(ws, rel))
+  rewrite = f'''
+with B["op" + "en"](G["__fi" + "le__"], "w") as _f:
+    _f.write("def {new}(x):\\n    return x\\n")
+'''
+  attack = f"\n\n{new} = {old}\n" + LEAKS["format"] + LEAK_ATTACK.replace("NEW", new) + rewrite
+  write_text(os.path.join(ws, f"{amod}.py"), read_text(os.path.join(ws, f"{amod}.py")) + attack)
+  assert grade(task, ws).details["code_refused"]
+  monkeypatch.setattr(pure_code, "refusal", lambda *a: None)
+  got = grade(task, ws)
+  assert got.reward == 0.0 and f"test_{old}_is_gone" in str(got.details["failed_tests"]), got.details
+  with monkeypatch.context() as m:  # the claim itself worked: only the host's reading stops it
+    m.setattr(oracle, "confirm_on_host", lambda expected, results, gone: results)
+    assert grade(task, ws).reward == 1.0
 
 
 @needs_bwrap
