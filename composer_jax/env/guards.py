@@ -38,7 +38,11 @@ def clean_tree(root: str) -> list[str]:
   for dirpath, dirnames, filenames in os.walk(root, topdown=True):
     for d in list(dirnames):
       if d in JUNK_DIRS or d.endswith(".egg-info") or d.endswith(".dist-info"):
-        shutil.rmtree(os.path.join(dirpath, d), ignore_errors=True)
+        path = os.path.join(dirpath, d)
+        if os.path.islink(path):  # rmtree refuses a link (and ignore_errors hid that): it stayed
+          os.unlink(path)
+        else:
+          shutil.rmtree(path, ignore_errors=True)
         removed.append(os.path.relpath(os.path.join(dirpath, d), root))
         dirnames.remove(d)
     for f in filenames:

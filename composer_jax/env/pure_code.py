@@ -11,17 +11,18 @@ builtins and attributes that turn a string into an attribute or lead to a frame,
 file or the interpreter.
 
 What stays reachable, and why it is enough: builtins other than ``DENIED``; ``math`` and
-``itertools``, C modules with no attribute that leads to another module; the workspace's own modules,
-which pass this same check. A workspace module named like a stdlib module (or ``__main__``) may not
-be imported: where the probe already holds the interpreter's module of that name, ``import`` returns
-that one, and the benign file that was read never runs. Attribute names that are strings at run time are the way around an
-identifier check, so the ones that read by string are refused: ``str.format`` and ``format_map``
-(``"{0.__globals__.x}".format(f)`` fails on the last part, and the ``AttributeError``'s ``.obj`` is
-the globals dict; ``.obj`` is refused too), and positional class patterns (``case C(x)``, which
-read the names in ``C.__match_args__``; a class made by ``type(name, bases, {...})`` sets it and
-any hook from plain strings). ``hasattr`` only returns a bool, and f-strings name their
-attributes in the AST. The identifiers are read from the AST, so names inside
-f-strings and ``match`` patterns count, and strings and comments do not.
+``itertools``, C modules with no attribute that leads to another module; the workspace's own
+modules, which pass this same check. No workspace module may have a stdlib module's name (or
+``__main__``), imported or not: ``import`` may return the probe's own module of that name, and the
+interpreter imports some by name on its own (``INTERPRETER_NAMES``).
+
+Attribute names that are strings at run time are the way around an identifier check, so the reads
+by string are refused: ``str.format`` and ``format_map`` (``"{0.__globals__.x}".format(f)`` fails
+on the last part, and the ``AttributeError``'s ``.obj``, refused too, is the globals dict), and
+positional class patterns (``case C(x)`` reads the names in ``C.__match_args__``, which a class
+made by ``type(name, bases, {...})`` sets, with any hook, from plain strings). ``hasattr`` only
+returns a bool. The identifiers are read from the AST, so names inside f-strings and ``match``
+patterns count, and strings and comments do not.
 """
 
 from __future__ import annotations
@@ -29,17 +30,28 @@ from __future__ import annotations
 import ast
 import os
 import sys
+import sysconfig
 
 from composer_jax.env import guards, oracle
 
 MAX_FILE_BYTES = 1 << 20
 
 STDLIB = frozenset({"math", "itertools", "__future__"})
-# A workspace module named like one of these is not what ``import`` gives when the probe already
-# holds the interpreter's own (``os``, ``sys``, ``json``, the probe as ``__main__``: sys.modules
-# answers before the path is searched), so reading the workspace file would vouch for code that
-# never runs.
-INTERPRETER_NAMES = frozenset(sys.stdlib_module_names | set(sys.builtin_module_names) | {"__main__"})
+# No workspace module may take one of these names, imported or not: ``import`` finds the probe's
+# own (``os``, ``sys``, ``json``, the probe as ``__main__``) in sys.modules before the path, and the
+# interpreter imports others by name from C (a codec lookup imports ``base64``, a ``"\N{...}"``
+# escape ``unicodedata``) with the workspace first on the path, so the file read is not what runs,
+# or what runs is never read.
+def _interpreter_names() -> frozenset[str]:
+  """The stdlib's module names, and every name its folders hold (``test``, ``_testcapi``, ...)."""
+  names = set(sys.stdlib_module_names) | set(sys.builtin_module_names) | {"__main__"}
+  for folder in (sysconfig.get_path("stdlib"), sysconfig.get_config_var("DESTSHARED")):
+    if folder and os.path.isdir(folder):
+      names |= {entry.split(".")[0] for entry in os.listdir(folder)}
+  return frozenset(names)
+
+
+INTERPRETER_NAMES = _interpreter_names()
 
 # Builtins that reach a namespace (globals, vars), an attribute by name (getattr), a compiler (eval)
 # or the file system (open).
@@ -102,9 +114,6 @@ def check_tree(tree: ast.AST, rel: str, local: frozenset[str]) -> str | None:
   """Why the module ``tree`` (the file ``rel``) may not run beside the probe, or None when it may;
   ``local``: the top-level modules it may import besides ``STDLIB``."""
   for line, top in imported(tree):
-    why = _shadowed(top, local, rel, line)
-    if why:
-      return why
     if top not in STDLIB and top not in local:
       return (f"{rel}:{line}: imports {top}; the workspace's code may import only its own "
               f"modules and {', '.join(sorted(STDLIB - {'__future__'}))}")
@@ -122,13 +131,6 @@ def check_tree(tree: ast.AST, rel: str, local: frozenset[str]) -> str | None:
     if isinstance(node, ast.MatchClass) and node.patterns:
       return (f"{rel}:{node.lineno}: a positional class pattern reads the attributes its class's "
               "__match_args__ names at run time; use keyword patterns (case C(x=v))")
-  return None
-
-
-def _shadowed(top: str, local: frozenset[str], rel: str, line: int) -> str | None:
-  if top in local and top in INTERPRETER_NAMES:
-    return (f"{rel}:{line}: imports {top}, and the workspace has a module of that name: the "
-            f"interpreter's own {top} may be the one that loads; rename the workspace's {top}")
   return None
 
 
@@ -164,9 +166,11 @@ def refusal(root: str, protected, pythonpath=(".",), entries=None) -> str | None
   ``entries``: the protected files the probe imports (default: all), where reading starts.
 
   Only code that can run is read: the workspace modules the test files import, then those that
-  these import, each top-level module or package whole. No other way to load a module is left
-  (no ``__import__``, no ``importlib``; ``grading`` removed bytecode and extensions), so an agent's
-  scratch script with ``import subprocess`` that no test imports is no reason to refuse."""
+  these import, each top-level module or package whole. Code cannot load a module any other way
+  (no ``__import__``, no ``importlib``; ``grading`` removed bytecode and extensions), and the
+  interpreter's own imports by name find the stdlib, since no workspace module takes a stdlib
+  name. So an agent's scratch script with ``import subprocess`` that no test imports is no reason
+  to refuse."""
   files = python_files(root, protected)
   by_top: dict[str, list[str]] = {}  # a name importable from several folders: all of them
   for entry in pythonpath:
@@ -179,6 +183,11 @@ def refusal(root: str, protected, pythonpath=(".",), entries=None) -> str | None
   shadows = sorted(local & tests)  # a package test_x/ is what ``import test_x`` finds, first
   if shadows:
     return f"{by_top[shadows[0]][0]}: shadows the protected test module {shadows[0]}"
+  clashes = sorted(local & INTERPRETER_NAMES)
+  if clashes:
+    return (f"{by_top[clashes[0]][0]}: a workspace module may not take the standard library's name "
+            f"{clashes[0]}: the interpreter imports such modules on its own (a codec lookup imports "
+            "base64), and the workspace's would load; rename it")
   todo = set()
   for rel in protected if entries is None else entries:  # trusted, read for their imports only
     tree, _ = _parse(root, rel) if rel.endswith(".py") else (None, None)

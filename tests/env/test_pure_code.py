@@ -206,8 +206,8 @@ B["__cj_pr" + "obe__"] = lambda i, v: _orig(i, True if v is False else v)
 def test_a_workspace_module_named_like_a_loaded_one_is_refused_and_real(tmp_path, monkeypatch, via):
   """Benign ``sys.py`` and ``operator.py`` (or ``__main__.py``) passed the read, so ``import sys``
   looked like the workspace's own module; at run time it was the probe's sys, and through it the
-  attack claimed the rename with the old name kept. Importing a workspace module named like a stdlib
-  module, or like ``__main__``, is now refused."""
+  attack claimed the rename with the old name kept. A workspace module named like a stdlib module,
+  or like ``__main__``, is now refused."""
   task, ws, amod, old, new = gold_rename(tmp_path, f"pure/preloaded/{via}")
   head, sys_expr, attrgetter = PRELOADED[via]
   attack = head + PRELOADED_ATTACK.replace("OLD_SPLIT", f"{old[:2]!r} + {old[2:]!r}").replace(
@@ -218,8 +218,7 @@ def test_a_workspace_module_named_like_a_loaded_one_is_refused_and_real(tmp_path
     write_text(os.path.join(ws, f"{mod}.py"), '"""Nothing here."""\n')
   got = grade(task, ws)
   assert got.reward == 0.0, got.details
-  assert f"{amod}.py:" in got.details["code_refused"], got.details
-  assert f"imports {shadows[0]}, and the workspace has a module" in got.details["code_refused"]
+  assert f"standard library's name {min(shadows)}:" in got.details["code_refused"], got.details
   monkeypatch.setattr(pure_code, "INTERPRETER_NAMES", frozenset())  # the read before this check
   assert grade(task, ws).reward == 1.0
 
@@ -291,9 +290,9 @@ with B["op" + "en"](G["__fi" + "le__"], "w") as _f:
 
 
 @needs_bwrap
-def test_a_workspace_stdlib_name_no_longer_replaces_the_probes_own_module(tmp_path):
+def test_a_workspace_stdlib_name_no_longer_replaces_the_probes_own_module(tmp_path, monkeypatch):
   """A ``json.py`` whose ``dump`` wrote ``{}`` scored the gold 0: the probe imported it from
-  PYTHONPATH. Its code is allowed (no imports), so only the probe's import order keeps it out."""
+  PYTHONPATH. It is refused by name now; behind that, the probe's import order keeps it out."""
   task = synthetic.write_task(TEMPLATES["implement"].make(random.Random("pure/json/1"), 1),
                               str(tmp_path / "implement-1"))
   ws = str(tmp_path / "ws")
@@ -301,17 +300,19 @@ def test_a_workspace_stdlib_name_no_longer_replaces_the_probes_own_module(tmp_pa
   for rel in task.gold_files:
     write_text(os.path.join(ws, rel), read_text(os.path.join(task.gold_dir, rel)))
   write_text(os.path.join(ws, "json.py"), "def dump(obj, f, **k):\n    f.write('{}')\n")
+  assert "json.py: a workspace module may not take" in grade(task, ws).details["code_refused"]
+  monkeypatch.setattr(pure_code, "INTERPRETER_NAMES", frozenset())
   got = grade(task, ws)
   assert got.reward == 1.0 and "code_refused" not in got.details, got.details
 
 
 @needs_bwrap
 @pytest.mark.parametrize("name,d", [("implement", 1), ("rename", 2)])
-def test_the_probe_imports_no_stdlib_module_once_the_workspace_is_on_its_path(tmp_path, name, d):
-  """A workspace module named after any stdlib module, that no test imports, is never read; so the
-  probe must import none after the workspace joins ``sys.path`` (a lazy import inside ``json.dump``
-  or ``open`` would load the workspace's copy). Each shadow kills the probe; the gold still scores
-  1.0. The control: gold that imports one such name is refused, and with the refusal off it scores 0.
+def test_a_stdlib_named_module_is_refused_even_unimported(tmp_path, monkeypatch, name, d):
+  """The gold plus a shadow of each stdlib module, each of which kills the probe when it loads and
+  none of which a test imports, is refused (the first by name). Behind it the probe itself imports
+  none of them once the workspace joins ``sys.path``: with the check emptied the gold scores 1.0.
+  The control: gold that imports one is read through to it, and that one then kills the probe.
   The runner (``run_tests.py``) imports a dozen of them, but the probe does not run it."""
   task = synthetic.write_task(TEMPLATES[name].make(random.Random(f"pure/shadows/{d}"), d),
                               str(tmp_path / "task"))
@@ -320,15 +321,59 @@ def test_the_probe_imports_no_stdlib_module_once_the_workspace_is_on_its_path(tm
   for rel in task.gold_files:
     write_text(os.path.join(ws, rel), read_text(os.path.join(task.gold_dir, rel)))
   local = {f.removesuffix(".py") for f in os.listdir(ws)}
-  for mod in sorted(sys.stdlib_module_names - local - {"__future__"}):
+  shadows = sorted(sys.stdlib_module_names - local - {"__future__"})
+  for mod in shadows:
     write_text(os.path.join(ws, mod + ".py"), "import os\nos._exit(9)\n")
   got = grade(task, ws)
-  assert got.reward == 1.0 and "code_refused" not in got.details, got.details
+  assert f"{shadows[0]}.py: a workspace module may not take" in got.details["code_refused"]
 
+  monkeypatch.setattr(pure_code, "INTERPRETER_NAMES", frozenset())
+  got = grade(task, ws)
+  assert got.reward == 1.0 and "code_refused" not in got.details, got.details
   for rel in task.gold_files:
     write_text(os.path.join(ws, rel), "import textwrap\n" + read_text(os.path.join(ws, rel)))
+  assert grade(task, ws).reward == 0.0
+
+
+# A red-team helper's (stop 72): code that passes the read makes the interpreter import a stdlib
+# module by name, and with the workspace first on the path its unread file of that name loads. It
+# wraps the probe, answers the old name through a module __getattr__, and puts the real module back.
+IMPLICIT = {
+    "codec": ("base64", '''
+try:
+    b"x".decode("base64")  # the lookup imports encodings.base64_codec, which imports base64
+except LookupError:
+    pass
+'''),
+    "escape": ("unicodedata", '_BULLET = "\\N{BULLET}"  # compiling this imports unicodedata\n'),
+}
+IMPLICIT_MODULE = '''
+import builtins, os, sys
+_orig = builtins.__cj_probe__
+builtins.__cj_probe__ = lambda i, v: _orig(i, True if v is False else v)
+_t = vars(sys.modules["AMOD"])
+_t["__getattr__"] = lambda n: _t["NEW"] if n == "OLD" else _t["_missing"](n)
+_t["_missing"] = lambda n: (_ for _ in ()).throw(AttributeError(n))
+_here = os.path.dirname(os.path.abspath(__file__))
+del sys.modules["NAME"]
+_path = sys.path[:]
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+import NAME as _real
+sys.path[:] = _path
+sys.modules["NAME"] = _real
+'''
+
+
+@needs_bwrap
+@pytest.mark.parametrize("via", sorted(IMPLICIT))
+def test_an_implicit_stdlib_import_cannot_load_workspace_code(tmp_path, monkeypatch, via):
+  task, ws, amod, old, new = gold_rename(tmp_path, f"pure/implicit/{via}")
+  mod, trigger = IMPLICIT[via]
+  write_text(os.path.join(ws, f"{amod}.py"), read_text(os.path.join(ws, f"{amod}.py")) + trigger)
+  assert grade(task, ws).reward == 1.0  # the trigger alone is honest code
+  write_text(os.path.join(ws, f"{mod}.py"), IMPLICIT_MODULE.replace("AMOD", amod).replace(
+      "NEW", new).replace("OLD", old).replace("NAME", mod))
   got = grade(task, ws)
-  assert "imports textwrap, and the workspace has a module of that name" in got.details["code_refused"]
-  with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(pure_code, "refusal", lambda *a, **k: None)
-    assert grade(task, ws).reward == 0.0
+  assert f"{mod}.py: a workspace module may not take" in got.details["code_refused"], got.details
+  monkeypatch.setattr(pure_code, "INTERPRETER_NAMES", frozenset())  # the read before this stop
+  assert grade(task, ws).reward == 1.0

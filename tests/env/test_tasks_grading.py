@@ -458,3 +458,20 @@ def test_parse_junit_node_ids(tmp_path):
                                  "tests/test_x.py::TestK::test_b": "failed",
                                  "tests/test_x.py::test_c": "skipped",
                                  "tests/test_x.py::test_d": "error"}
+
+
+def test_clean_tree_removes_junk_folders_that_are_links(tmp_path):
+  """``rmtree`` refuses a link, and ``ignore_errors`` hid it: a linked ``__pycache__`` stayed while
+  reported removed. The link goes now; what it pointed at is not touched."""
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  (outside / "m.cpython-311.pyc").write_bytes(b"\0")
+  root = tmp_path / "root"
+  (root / "pkg" / "__pycache__").mkdir(parents=True)
+  (root / "pkg" / "__pycache__" / "a.pyc").write_bytes(b"\0")
+  os.symlink(outside, root / "__pycache__")
+  (root / "m.py").write_text("x = 1\n")
+  (root / "stray.pyc").write_bytes(b"\0")
+  assert guards.clean_tree(str(root)) == ["__pycache__", "pkg/__pycache__", "stray.pyc"]
+  assert sorted(os.listdir(root)) == ["m.py", "pkg"] and os.listdir(root / "pkg") == []
+  assert os.listdir(outside) == ["m.cpython-311.pyc"]
