@@ -407,8 +407,9 @@ def confirm_on_host(expected: dict[str, dict[str, list[Expected]]], results: dic
 
 
 def _absent_from(root: str, name: str, module: str) -> bool:
-  """Every file that could be ``module`` (a package shadows a module) is regular and has no NAME
-  token ``name``, and there is one (``grading`` removed bytecode and extensions before this)."""
+  """Every file that could be ``module`` (a package shadows a module) is regular, has no NAME
+  token ``name`` and no star import, and there is one (``grading`` removed bytecode and extensions
+  before this)."""
   rel = module.replace(".", "/")
   found = False
   for cand in (rel + "/__init__.py", rel + ".py"):
@@ -420,8 +421,12 @@ def _absent_from(root: str, name: str, module: str) -> bool:
       return False
     try:
       # The compiler binds identifiers NFKC-normalised (a fullwidth "ｏｌｄ" is old); tokenize does not.
+      # ``from m import *`` binds names the file never spells.
+      toks = [t for t in tokenize.tokenize(io.BytesIO(blob).readline)
+              if t.type in (tokenize.NAME, tokenize.OP)]
+      before = ["", *(t.string for t in toks)]
       if any(t.type == tokenize.NAME and unicodedata.normalize("NFKC", t.string) == name
-             for t in tokenize.tokenize(io.BytesIO(blob).readline)):
+             or t.string == "*" and prev == "import" for prev, t in zip(before, toks)):
         return False
     except (tokenize.TokenError, SyntaxError, UnicodeDecodeError):
       return False
@@ -453,6 +458,7 @@ def _alarm(signum, frame):
 def main():
     out_path, paths, files = sys.argv[1], sys.argv[2], sys.argv[3:]
     del sys.argv[1:]
+    dump, record = json.dump, encode  # held here: code under test could rebind the module's names
     # The workspace joins the path only now, after this runner's own imports: from PYTHONPATH, a
     # workspace json.py was what ``import json`` above found, and its dump() wrote the values.
     sys.path[0:0] = paths.split(os.pathsep)
@@ -461,7 +467,7 @@ def main():
     current = []
 
     def probe(i, v):
-        current.append([i, encode(v)])
+        current.append([i, record(v)])
         return v
 
     builtins.__cj_probe__ = probe
@@ -487,7 +493,7 @@ def main():
                 signal.setitimer(signal.ITIMER_REAL, 0)
             recs[name] = {"status": status, "values": current}
     with open(out_path, "w", encoding="utf-8") as f:
-        json.dump(results, f)
+        dump(results, f)
     sys.stdout.flush()
     os._exit(0)
 

@@ -67,6 +67,11 @@ FRAME_ATTRS = frozenset({"gi_frame", "cr_frame", "ag_frame", "tb_frame", "tb_nex
 # or hand back the object such a read failed on (``AttributeError.obj``: the globals dict above).
 STRING_READS = frozenset({"format", "format_map", "obj"})
 
+# Read, never bound: a module that rebinds its ``__name__`` turns ``from itself import path`` into
+# ``sys.modules["os.path"]`` (the import's fallback for a missing attribute), and one that swaps
+# its ``__class__`` for a class built from strings gets hooks on every read of it.
+READ_ONLY = frozenset({"__name__", "__class__"})
+
 _OPERATORS = ("add sub mul matmul truediv floordiv mod pow lshift rshift and or xor divmod").split()
 DUNDERS = frozenset(
     {f"__{n}__" for n in (
@@ -89,6 +94,28 @@ def identifiers(tree: ast.AST):
         if isinstance(v, str):
           for part in v.split("."):
             yield getattr(node, "lineno", 0), part
+
+
+def bound(tree: ast.AST):
+  """(line, name) of every name ``tree`` binds, deletes or stores to as an attribute."""
+  for node in ast.walk(tree):
+    line = getattr(node, "lineno", 0)
+    if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+      yield line, node.id
+    elif isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Load):
+      yield line, node.attr
+    elif isinstance(node, (ast.Global, ast.Nonlocal)):
+      yield from ((line, n) for n in node.names)
+    elif isinstance(node, ast.alias):
+      yield line, node.asname or node.name.split(".")[0]
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      yield line, node.name
+    elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+      yield line, node.name
+    elif isinstance(node, ast.MatchMapping) and node.rest:
+      yield line, node.rest
+    elif isinstance(node, ast.arg):
+      yield line, node.arg
 
 
 def why_denied(name: str) -> str | None:
@@ -121,6 +148,10 @@ def check_tree(tree: ast.AST, rel: str, local: frozenset[str]) -> str | None:
     why = why_denied(name)
     if why:
       return f"{rel}:{line}: uses {why}, which reaches outside the code under test"
+  for line, name in bound(tree):
+    if name in READ_ONLY:
+      return (f"{rel}:{line}: binds {name}, which the code may read but not set: the import "
+              "system and attribute lookup trust it")
   for node in ast.walk(tree):
     names = ([node.attr] if isinstance(node, ast.Attribute) else
              node.kwd_attrs if isinstance(node, ast.MatchClass) else [])

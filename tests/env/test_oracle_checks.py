@@ -103,7 +103,8 @@ def test_an_absence_is_confirmed_from_the_module_file(tmp_path):
   assert _absent_case(tmp_path, {"m.py": clean + "# old was renamed\ns = 'old'\n"}) == "passed"
   for bad in ("def old(x):\n    return x\n", clean + "old = new\n", "from os import path as old\n",
               clean + "def new2(old):\n    return old\n", "def new(:\n  '''\n",
-              clean + "\uff4f\uff4c\uff44 = new\n", clean + "\U0001d428ld = new\n"):  # NFKC: old
+              clean + "\uff4f\uff4c\uff44 = new\n", clean + "\U0001d428ld = new\n",  # NFKC: old
+              clean + "from aliases import *\n", clean + "from . import  *\n"):  # bound unspelled
     assert _absent_case(tmp_path, {"m.py": bad}) == "failed", bad
   assert _absent_case(tmp_path, {}) == "failed"  # the module is gone
   assert _absent_case(tmp_path, {"other.py": clean}, {"m.py": "other.py"}) == "failed"  # a link

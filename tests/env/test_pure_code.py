@@ -377,3 +377,70 @@ def test_an_implicit_stdlib_import_cannot_load_workspace_code(tmp_path, monkeypa
   assert f"{mod}.py: a workspace module may not take" in got.details["code_refused"], got.details
   monkeypatch.setattr(pure_code, "INTERPRETER_NAMES", frozenset())  # the read before this stop
   assert grade(task, ws).reward == 1.0
+
+
+# A third red-team helper's (stop 72): ``from M import X`` with no attribute X falls back to
+# ``sys.modules[M.__name__ + "." + X]``, so a module that rebinds its ``__name__`` (or swaps its
+# ``__class__`` for one whose ``__name__`` property says so) gets ``os.path``, and through it sys.
+ESCAPES_BY_NAME = {
+    "name": '__name__ = "os"\n',
+    "class": 'import lever as _self\n\n_self.__class__ = type("M", (type(_self),), '
+             '{"__name" + "__": property(lambda s: "os")})\n',
+}
+ESCAPE_TAIL = '''from lever import path
+
+_sys = path.sys
+_get = _sys.modules["operator"].attrgetter
+_B = _get("__di" + "ct__")(_sys.modules["builtins"])
+_orig = _B["__cj_pr" + "obe__"]
+_B["__cj_pr" + "obe__"] = lambda i, v: _orig(i, True if v is False else v)
+_get("__di" + "ct__")(_sys.modules["AMOD"])[OLD_SPLIT] = _get("NEW")(_sys.modules["AMOD"])
+'''
+
+
+@needs_bwrap
+@pytest.mark.parametrize("via", sorted(ESCAPES_BY_NAME))
+def test_an_escape_by_a_rebound_module_name_is_refused_and_real(tmp_path, monkeypatch, via):
+  task, ws, amod, old, new = gold_rename(tmp_path, f"pure/byname/{via}")
+  lever = ESCAPES_BY_NAME[via] + ESCAPE_TAIL.replace("AMOD", amod).replace("NEW", new).replace(
+      "OLD_SPLIT", f"{old[:2]!r} + {old[2:]!r}")
+  write_text(os.path.join(ws, "lever.py"), lever)
+  write_text(os.path.join(ws, f"{amod}.py"), read_text(os.path.join(ws, f"{amod}.py")) + "\nimport lever\n")
+  got = grade(task, ws)
+  bound = "__name__" if via == "name" else "__class__"
+  assert f"lever.py:{1 if via == 'name' else 3}: binds {bound}" in got.details["code_refused"], got.details
+  monkeypatch.setattr(pure_code, "READ_ONLY", frozenset())  # the read before this stop
+  assert grade(task, ws).reward == 1.0
+
+
+@needs_bwrap
+def test_a_module_class_swap_that_answers_the_old_name_for_a_while_is_refused_and_real(
+    tmp_path, monkeypatch):
+  """No escape: the renamed module's class gets a string-keyed ``__getattr__`` that answers the old
+  name while the other module, left as it started (``from amod import old``), is imported, then
+  stops; the later ``hasattr`` check sees no old name."""
+  task, ws, amod, old, new = gold_rename(tmp_path, "pure/classswap/1")
+  (bmod,) = [f for f in task.gold_files if f != f"{amod}.py"]
+  shutil.copy(os.path.join(task.workspace_dir, bmod), os.path.join(ws, bmod))
+  hook = f'''
+
+import {amod} as _self
+
+_open = [True]
+
+
+def _compat(self, name):
+    if _open[0] and name == {old[:2]!r} + {old[2:]!r}:
+        return {new}
+    raise AttributeError(name)
+
+
+_self.__class__ = type("M", (type(_self),), {{"__get" + "attr__": _compat}})
+import {bmod[:-3]}  # noqa: E402
+_open[0] = False
+'''
+  write_text(os.path.join(ws, f"{amod}.py"), read_text(os.path.join(ws, f"{amod}.py")) + hook)
+  got = grade(task, ws)
+  assert got.reward == 0.0 and "binds __class__" in got.details["code_refused"], got.details
+  monkeypatch.setattr(pure_code, "READ_ONLY", frozenset())
+  assert grade(task, ws).reward == 1.0
