@@ -444,3 +444,22 @@ _open[0] = False
   assert got.reward == 0.0 and "binds __class__" in got.details["code_refused"], got.details
   monkeypatch.setattr(pure_code, "READ_ONLY", frozenset())
   assert grade(task, ws).reward == 1.0
+
+
+@needs_bwrap
+def test_the_probe_records_with_the_encode_it_held_before_the_workspace_ran(tmp_path, monkeypatch):
+  """rt4's escapes replaced the probe module's global ``encode``; the probe now records with the one
+  it took before the workspace joined its path, so that patch records nothing."""
+  task, ws, amod, old, new = gold_rename(tmp_path, "pure/byname/encode")
+  patch = '''_main = _sys.modules["__main__"]
+_real = _main.encode
+_main.encode = lambda v, depth=0: ["bool", True] if v is False else _real(v, depth)
+'''
+  tail = ESCAPE_TAIL.split("_B = ")[0] + patch + ESCAPE_TAIL.split("\n")[-2] + "\n"
+  lever = ESCAPES_BY_NAME["name"] + tail.replace("AMOD", amod).replace("NEW", new).replace(
+      "OLD_SPLIT", f"{old[:2]!r} + {old[2:]!r}")
+  write_text(os.path.join(ws, "lever.py"), lever)
+  write_text(os.path.join(ws, f"{amod}.py"), read_text(os.path.join(ws, f"{amod}.py")) + "\nimport lever\n")
+  monkeypatch.setattr(pure_code, "READ_ONLY", frozenset())
+  got = grade(task, ws)  # the old name is bound and the patch ran, but the check still saw it
+  assert got.reward == 0.0 and f"test_{old}_is_gone" in str(got.details["failed_tests"]), got.details
