@@ -156,7 +156,7 @@ def run_value_checks(task: Task, root: str, limits: Limits,
                               (task.environment_setup or {}).get("pythonpath", ["."]), files)
   if refused:
     return {}, refused, False, oracle.checks_right(expected, {}, hidden), refused
-  gone = oracle.names_gone(expected, root)  # before the code under test could rewrite its files
+  gone = oracle.names_gone(expected, root, task.test_files)  # before the code could rewrite them
   with scratch.temp_dir("cj-values-") as rep:
     probe, out = os.path.join(rep, "probe.py"), os.path.join(rep, "values.json")
     with open(probe, "w", encoding="utf-8") as f:

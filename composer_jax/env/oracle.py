@@ -377,12 +377,19 @@ def read_results(path: str) -> dict | None:
 MAX_MODULE_BYTES = 1 << 20  # a module file bigger than this does not confirm an absence
 
 
-def names_gone(expected: dict[str, dict[str, list[Expected]]], root: str) -> frozenset:
+def names_gone(expected: dict[str, dict[str, list[Expected]]], root: str, skip=()) -> frozenset:
   """The ``(name, module)`` of each ``absent`` probe whose module file in ``root`` no longer names
-  it (``_absent_from``). Read before the sandbox runs: code under test that broke out could rewrite
-  its own file in the graded copy before the host looked."""
-  return frozenset(e.absent for tests in expected.values() for exp in tests.values() for e in exp
-                   if e.absent and _absent_from(root, *e.absent))
+  it (``_absent_from``), nor does any other ``*.py`` in ``root`` but ``skip`` (the protected files):
+  a helper module could set ``amod.old = amod.new``, import the unrenamed module that says ``from
+  amod import old``, and delete it again before the check. Read before the sandbox runs: code under
+  test that broke out could rewrite its files in the graded copy before the host looked."""
+  checks = {e.absent for tests in expected.values() for exp in tests.values() for e in exp if e.absent}
+  if not checks:
+    return frozenset()
+  skip = set(skip)
+  others = [rel for rel in _python_sources(root) if rel not in skip]
+  return frozenset(c for c in checks if _absent_from(root, *c)
+                   and not any(_names(os.path.join(root, rel), c[0], star=False) for rel in others))
 
 
 def confirm_on_host(expected: dict[str, dict[str, list[Expected]]], results: dict,
@@ -416,22 +423,33 @@ def _absent_from(root: str, name: str, module: str) -> bool:
     path = os.path.join(root, cand)
     if not os.path.lexists(path):
       continue
-    blob = read_regular(path, MAX_MODULE_BYTES)
-    if blob is None:
-      return False
-    try:
-      # The compiler binds identifiers NFKC-normalised (a fullwidth "ｏｌｄ" is old); tokenize does not.
-      # ``from m import *`` binds names the file never spells.
-      toks = [t for t in tokenize.tokenize(io.BytesIO(blob).readline)
-              if t.type in (tokenize.NAME, tokenize.OP)]
-      before = ["", *(t.string for t in toks)]
-      if any(t.type == tokenize.NAME and unicodedata.normalize("NFKC", t.string) == name
-             or t.string == "*" and prev == "import" for prev, t in zip(before, toks)):
-        return False
-    except (tokenize.TokenError, SyntaxError, UnicodeDecodeError):
+    if _names(path, name, star=True):
       return False
     found = True
   return found
+
+
+def _names(path: str, name: str, star: bool) -> bool:
+  """Whether the file at ``path`` may bind or use ``name``: a NAME token of it (``star``: or a star
+  import, which binds names the file never spells), or no regular, tokenizable file to read."""
+  blob = read_regular(path, MAX_MODULE_BYTES)
+  if blob is None:
+    return True
+  try:
+    toks = [t for t in tokenize.tokenize(io.BytesIO(blob).readline)
+            if t.type in (tokenize.NAME, tokenize.OP)]
+  except (tokenize.TokenError, SyntaxError, UnicodeDecodeError):
+    return True
+  before = ["", *(t.string for t in toks)]
+  # The compiler binds identifiers NFKC-normalised (a fullwidth "ｏｌｄ" is old); tokenize does not.
+  return any(t.type == tokenize.NAME and unicodedata.normalize("NFKC", t.string) == name
+             or star and t.string == "*" and prev == "import" for prev, t in zip(before, toks))
+
+
+def _python_sources(root: str) -> list[str]:
+  """Every ``*.py`` under ``root``, relative (the walk does not follow a link to a folder)."""
+  return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root)
+                for f in files if f.endswith(".py"))
 
 
 PROBE_SOURCE = r'''"""Runs rewritten test files and records the values their checks saw (composer_jax grading)."""

@@ -111,6 +111,11 @@ def test_an_absence_is_confirmed_from_the_module_file(tmp_path):
   # A package shadows the module beside it: both are read.
   assert _absent_case(tmp_path, {"m.py": clean, "m/__init__.py": "old = 1\n"}) == "failed"
   assert _absent_case(tmp_path, {"m.py": clean, "m/__init__.py": clean}) == "passed"
+  # Any other workspace module that names it fails the check too (a helper could lend the name to
+  # an unrenamed ``from m import old`` and take it back); a string or comment does not.
+  assert _absent_case(tmp_path, {"m.py": clean, "b.py": "from m import old\n"}) == "failed"
+  assert _absent_case(tmp_path, {"m.py": clean, "pkg/b.py": "x = m.old\n"}) == "failed"
+  assert _absent_case(tmp_path, {"m.py": clean, "b.py": "s = 'old'  # old\n"}) == "passed"
 
 
 def test_confirm_on_host_leaves_other_checks_and_hostile_results_alone():

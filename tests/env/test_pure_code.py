@@ -443,6 +443,27 @@ _open[0] = False
   got = grade(task, ws)
   assert got.reward == 0.0 and "binds __class__" in got.details["code_refused"], got.details
   monkeypatch.setattr(pure_code, "READ_ONLY", frozenset())
+  assert grade(task, ws).reward == 0.0  # the host reads the unrenamed module: it names the old name
+  monkeypatch.setattr(oracle, "_python_sources", lambda root: [])  # as before stop 72
+  assert grade(task, ws).reward == 1.0
+
+
+@needs_bwrap
+def test_a_name_lent_to_the_unrenamed_module_and_taken_back_fails_on_the_host(tmp_path, monkeypatch):
+  """A fourth helper's (stop 72), with allowed code only: a helper module sets ``amod.old =
+  amod.new``, imports the module left as it started (``from amod import old``), and deletes the
+  name again, so the sandbox's ``hasattr`` honestly sees none. The host now reads every workspace
+  module for the old name, not only the renamed one."""
+  task, ws, amod, old, new = gold_rename(tmp_path, "pure/lend/1")
+  (bmod,) = [f for f in task.gold_files if f != f"{amod}.py"]
+  shutil.copy(os.path.join(task.workspace_dir, bmod), os.path.join(ws, bmod))
+  lend = f"import {amod} as T\n\nT.{old} = T.{new}\nimport {bmod[:-3]}  # noqa: E402\ndel T.{old}\n"
+  write_text(os.path.join(ws, "compat_x.py"), lend)
+  write_text(os.path.join(ws, f"{amod}.py"), read_text(os.path.join(ws, f"{amod}.py")) + "\nimport compat_x\n")
+  got = grade(task, ws)
+  assert "code_refused" not in got.details and got.reward == 0.0, got.details
+  assert f"test_{old}_is_gone" in str(got.details["failed_tests"]), got.details
+  monkeypatch.setattr(oracle, "_python_sources", lambda root: [])  # only the renamed module read
   assert grade(task, ws).reward == 1.0
 
 
