@@ -43,7 +43,7 @@ def clean_tree(root: str) -> list[str]:
           os.unlink(path)
         else:
           shutil.rmtree(path, ignore_errors=True)
-        removed.append(os.path.relpath(os.path.join(dirpath, d), root))
+        removed.append(os.path.relpath(path, root))
         dirnames.remove(d)
     for f in filenames:
       if any(fnmatch.fnmatch(f, p) for p in JUNK_FILES):

@@ -37,11 +37,8 @@ from composer_jax.env import guards, oracle
 MAX_FILE_BYTES = 1 << 20
 
 STDLIB = frozenset({"math", "itertools", "__future__"})
-# No workspace module may take one of these names, imported or not: ``import`` finds the probe's
-# own (``os``, ``sys``, ``json``, the probe as ``__main__``) in sys.modules before the path, and the
-# interpreter imports others by name from C (a codec lookup imports ``base64``, a ``"\N{...}"``
-# escape ``unicodedata``) with the workspace first on the path, so the file read is not what runs,
-# or what runs is never read.
+
+
 def _interpreter_names() -> frozenset[str]:
   """The stdlib's module names, and every name its folders hold (``test``, ``_testcapi``, ...)."""
   names = set(sys.stdlib_module_names) | set(sys.builtin_module_names) | {"__main__"}
@@ -51,6 +48,11 @@ def _interpreter_names() -> frozenset[str]:
   return frozenset(names)
 
 
+# No workspace module may take one of these names, imported or not: ``import`` finds the probe's
+# own (``os``, ``sys``, ``json``, the probe as ``__main__``) in sys.modules before the path, and the
+# interpreter imports others by name from C (a codec lookup imports ``base64``, a ``"\N{...}"``
+# escape ``unicodedata``) with the workspace first on the path, so the file read is not what runs,
+# or what runs is never read.
 INTERPRETER_NAMES = _interpreter_names()
 
 # Builtins that reach a namespace (globals, vars), an attribute by name (getattr), a compiler (eval)
@@ -222,8 +224,8 @@ def refusal(root: str, protected, pythonpath=(".",), entries=None) -> str | None
   todo = set()
   for rel in protected if entries is None else entries:  # trusted, read for their imports only
     tree, _ = _parse(root, rel) if rel.endswith(".py") else (None, None)
-    if tree is not None:  # trusted: a stdlib name it imports loads either the interpreter's or
-      todo |= {top for _, top in imported(tree)} & local  # the workspace's, read below
+    if tree is not None:
+      todo |= {top for _, top in imported(tree)} & local
   seen = set()
   while todo:
     top = min(todo)
