@@ -298,3 +298,25 @@ def test_hidden_tests_catch_every_slip_that_some_input_shows(name):
       if k not in saved:
         del sys.modules[k]
   assert caught > 10 * equivalent
+
+
+@pytest.mark.parametrize("name,d", [("method", 3), ("implement", 2)])
+def test_a_body_that_does_nothing_earns_almost_no_partial_credit(tmp_path, name, d):
+  """Partial credit pays the share of hidden checks right. A red-team helper found that
+  ``return self.<attr>`` got a conditional method's hidden checks wherever the condition was false:
+  22 of 54 over these six seeds (``return 0``: 2 of 24 ``implement`` ones). The hidden cases now
+  separate the reference from such bodies where an input can (``cases.trivial``): 6 of 58."""
+  from composer_jax.env.synthetic.cases import trivial
+  right = total = 0
+  for seed in range(6):
+    task = synthetic.write_task(TEMPLATES[name].make(random.Random(f"noop/{name}/{seed}"), d),
+                                str(tmp_path / f"t{seed}"))
+    ws = str(tmp_path / f"ws{seed}")
+    shutil.copytree(task.workspace_dir, ws)
+    start = {rel: read_text(os.path.join(ws, rel)) for rel in task.gold_files}
+    noop = trivial(start)[-1]  # ``return self.<attr>`` in a method, else ``return 0``
+    for rel, src in noop.items():
+      write_text(os.path.join(ws, rel), src)
+    hidden = grade(task, ws).details["hidden_checks"]
+    right, total = right + hidden["passed"], total + hidden["total"]
+  assert total > 0 and right / total <= 0.15, (right, total)

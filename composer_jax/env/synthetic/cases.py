@@ -55,21 +55,25 @@ def flat(step_lists: list) -> list:
 
 
 def differing(before: dict, after: dict, make_steps, rng: random.Random, n: int,
-              tries: int = 60) -> list:
+              tries: int = 60, also=()) -> list:
   """``n`` step lists on which the reference and the starting code give different results (the
-  first ones), so the tests fail before the change; later lists may agree."""
-  found, rest = [], []
+  first ones), so the tests fail before the change; later lists may agree. ``also``: more sources
+  (trivial bodies) that lists separate from the reference as well where they can; those come first."""
+  found, partly, rest = [], [], []
   for _ in range(tries):
     steps = make_steps(rng)
-    if run_steps(after, steps) != run_steps(before, steps):
+    want = run_steps(after, steps)
+    if want == run_steps(before, steps):
+      rest.append(steps)
+    elif all(want != run_steps(other, steps) for other in also):
       found.append(steps)
     else:
-      rest.append(steps)
+      partly.append(steps)
     if len(found) >= n:
       break
-  if not found:
+  if not found and not partly:
     raise ValueError("no input separates the reference from the starting code")
-  return (found + rest)[:n] if len(found) < n else found
+  return (found + partly + rest)[:n]
 
 
 _SITE = re.compile(r"(?<= )(\+|-|\*|//|%|<=|>=|<|>|==)(?= )|\b\d+\b")
@@ -100,14 +104,29 @@ def mutants(before: dict, after: dict) -> list[dict]:
   return out
 
 
+def trivial(before: dict) -> list[dict]:
+  """``before`` with each unimplemented body (``raise NotImplementedError``) replaced by one that
+  does nothing: ``return 0``, or in a method ``return self.<first attribute>``."""
+  out = []
+  for body in ("return 0", *sorted({f"return self.{a}" for src in before.values()
+                                      for a in re.findall(r"self\.(\w+) = ", src)})):
+    alt = {m: src.replace("raise NotImplementedError", body) for m, src in before.items()}
+    if alt != before:
+      out.append(alt)
+  return out
+
+
 def hidden_steps(before: dict, after: dict, make_steps, rng: random.Random, n: int,
                  pool: int = 48) -> list:
   """The hidden test's steps: ``n`` step lists on which the starting code fails (``differing``),
-  then, for each mutant of the reference (``mutants``) that those do not catch, the first of
-  ``pool`` further step lists that does. A mutant none of them catches behaves as the reference on
-  these inputs. The pool has its own generator, seeded by ``after``, so the instance's other draws
-  (files, visible tests) are what they were without it."""
-  chosen = differing(before, after, make_steps, rng, n)
+  and so does a body that does nothing (``trivial``: partial credit pays the share of hidden checks
+  right, and ``return self.x`` got half of a conditional method's, the cases where the condition
+  is false), then, for each mutant of the reference (``mutants``) that those do not catch, the
+  first of ``pool`` further step lists that does. A mutant none of them catches behaves as the
+  reference on these inputs. The pool has its own generator, seeded by ``after``, so the
+  instance's other draws (files, visible tests) are what they were without it."""
+  noops = trivial(before)
+  chosen = differing(before, after, make_steps, rng, n, also=noops)
   gen = random.Random(json.dumps(after, sort_keys=True))
   lists = chosen + [make_steps(gen) for _ in range(pool)]
   ends = [0]
@@ -118,12 +137,14 @@ def hidden_steps(before: dict, after: dict, make_steps, rng: random.Random, n: i
     out = run_steps(sources, flat(lists[:upto]))
     return [out[a:b] for a, b in itertools.pairwise(ends[:upto + 1])]
 
-  ref, keep = per_list(after, len(lists)), list(range(len(chosen)))
+  ref, keep, noop_out = per_list(after, len(lists)), list(range(len(chosen))), []
   for mut in mutants(before, after):
     # Most mutants fail the drawn cases; only the others are run on the whole pool.
     if any(a != b for a, b in zip(per_list(mut, len(chosen)), ref, strict=False)):
       continue
     got = per_list(mut, len(lists))
     if all(got[i] == ref[i] for i in keep):
-      keep += [i for i in range(len(chosen), len(lists)) if got[i] != ref[i]][:1]
+      noop_out = noop_out or [per_list(t, len(lists)) for t in noops] or [[None] * len(lists)]
+      catch = [i for i in range(len(chosen), len(lists)) if got[i] != ref[i]]
+      keep += ([i for i in catch if all(t[i] != ref[i] for t in noop_out)] or catch)[:1]
   return flat(lists[i] for i in keep)
