@@ -22,6 +22,7 @@ from composer_jax.env.synthetic import (
   instance_split,
   instances,
 )
+from composer_jax.env.synthetic.cases import trivial
 from composer_jax.env.synthetic.runner import RUNNER_PATH
 from composer_jax.env.tasks import load_task, read_text, write_text
 
@@ -306,7 +307,6 @@ def test_a_body_that_does_nothing_earns_almost_no_partial_credit(tmp_path, name,
   ``return self.<attr>`` got a conditional method's hidden checks wherever the condition was false:
   22 of 54 over these six seeds (``return 0``: 2 of 24 ``implement`` ones). The hidden cases now
   separate the reference from such bodies where an input can (``cases.trivial``): 6 of 58."""
-  from composer_jax.env.synthetic.cases import trivial
   right = total = 0
   for seed in range(6):
     task = synthetic.write_task(TEMPLATES[name].make(random.Random(f"noop/{name}/{seed}"), d),

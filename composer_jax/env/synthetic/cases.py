@@ -137,14 +137,15 @@ def hidden_steps(before: dict, after: dict, make_steps, rng: random.Random, n: i
     out = run_steps(sources, flat(lists[:upto]))
     return [out[a:b] for a, b in itertools.pairwise(ends[:upto + 1])]
 
-  ref, keep, noop_out = per_list(after, len(lists)), list(range(len(chosen))), []
+  ref, keep, noop_out = per_list(after, len(lists)), list(range(len(chosen))), None
   for mut in mutants(before, after):
     # Most mutants fail the drawn cases; only the others are run on the whole pool.
     if any(a != b for a, b in zip(per_list(mut, len(chosen)), ref, strict=False)):
       continue
     got = per_list(mut, len(lists))
     if all(got[i] == ref[i] for i in keep):
-      noop_out = noop_out or [per_list(t, len(lists)) for t in noops] or [[None] * len(lists)]
+      if noop_out is None:  # run once, and only for a mutant the drawn cases miss
+        noop_out = [per_list(t, len(lists)) for t in noops]
       catch = [i for i in range(len(chosen), len(lists)) if got[i] != ref[i]]
       keep += ([i for i in catch if all(t[i] != ref[i] for t in noop_out)] or catch)[:1]
   return flat(lists[i] for i in keep)
