@@ -12,8 +12,9 @@ The workers are topped up *before* the update, so sampling of the next groups ov
 Metrics beyond the sync loop's: ``rollout_s`` is the time the learner waited for rollouts
 (``learner_idle_frac`` = that / step time), ``rollout_idle_frac`` (workers' time outside units),
 ``rollout_tokens_per_s`` (tokens the workers sampled per second of wall time, dropped ones included),
-``staleness_mean/max`` (of the groups taken this step), ``dropped_stale``, ``worker_deaths``, ``unit_errors``, ``requeued``, ``full_copies``,
-``checksum_failures``, ``weight_swaps``, ``worker_devices`` (the fewest devices a worker's sampler
+``staleness_mean/max`` (of the groups taken this step); run totals so far, not per step:
+``dropped_stale``, ``worker_deaths``, ``unit_errors``, ``requeued``, ``full_copies``,
+``checksum_failures``, ``weight_swaps``; ``worker_devices`` (the fewest devices a worker's sampler
 spans: rl.worker_devices), ``broadcast_s/bytes/kind``.
 The checkpoint carries the ledger (task stream, re-queued and pending tasks) next to the version and
 the trainer's RNG; a resumed run re-queues every task that was handed out but not trained on.
