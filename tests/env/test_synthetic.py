@@ -301,22 +301,32 @@ def test_hidden_tests_catch_every_slip_that_some_input_shows(name):
   assert caught > 10 * equivalent
 
 
-@pytest.mark.parametrize("name,d", [("method", 3), ("implement", 2)])
-def test_a_body_that_does_nothing_earns_almost_no_partial_credit(tmp_path, name, d):
+@pytest.mark.parametrize("name,d,most", [("method", 3, 0.2), ("implement", 2, 0.07),
+                                         ("implement", 3, 0.07)])
+def test_a_body_that_does_nothing_earns_almost_no_partial_credit(tmp_path, name, d, most):
   """Partial credit pays the share of hidden checks right. A red-team helper found that
   ``return self.<attr>`` got a conditional method's hidden checks wherever the condition was false:
-  22 of 54 over these six seeds (``return 0``: 2 of 24 ``implement`` ones). The hidden cases now
-  separate the reference from such bodies where an input can (``cases.trivial``): 6 of 58."""
-  right = total = 0
-  for seed in range(6):
+  22 of 54 over six ``method`` level-3 seeds. Over these twenty seeds ``return <arg>`` got 17 of 110
+  ``implement`` level-2 checks and 10 of 105 level-3 ones. The hidden cases now separate the
+  reference from every such body where an input can (``cases.trivial``): 5 of 113 and 6 of 109.
+  The method's 34 of 198 for ``return self.<attr>`` are mostly inputs that also catch a near miss
+  (``>=`` for ``<=``), on which the reference leaves the attribute as it was."""
+  got = {}
+  for seed in range(20):
     task = synthetic.write_task(TEMPLATES[name].make(random.Random(f"noop/{name}/{seed}"), d),
                                 str(tmp_path / f"t{seed}"))
-    ws = str(tmp_path / f"ws{seed}")
-    shutil.copytree(task.workspace_dir, ws)
-    start = {rel: read_text(os.path.join(ws, rel)) for rel in task.gold_files}
-    noop = trivial(start)[-1]  # ``return self.<attr>`` in a method, else ``return 0``
-    for rel, src in noop.items():
-      write_text(os.path.join(ws, rel), src)
-    hidden = grade(task, ws).details["hidden_checks"]
-    right, total = right + hidden["passed"], total + hidden["total"]
-  assert total > 0 and right / total <= 0.15, (right, total)
+    start = {rel: read_text(os.path.join(task.workspace_dir, rel)) for rel in task.gold_files}
+    for k, noop in enumerate(trivial(start)):
+      body = next(line.strip() for rel in noop for line in noop[rel].splitlines()
+                  if line not in start[rel].splitlines())
+      ws = str(tmp_path / f"ws{seed}_{k}")
+      shutil.copytree(task.workspace_dir, ws)
+      for rel, src in noop.items():
+        write_text(os.path.join(ws, rel), src)
+      hidden = grade(task, ws).details["hidden_checks"]
+      kind = ("return self.<attr>" if "self." in body else
+              body if body == "return 0" else "return <arg>")
+      right, total = got.get(kind, (0, 0))
+      got[kind] = (right + hidden["passed"], total + hidden["total"])
+  assert {"return 0", "return <arg>"} <= set(got), got
+  assert all(total > 0 and right / total <= most for right, total in got.values()), got

@@ -9,6 +9,7 @@ as ``<`` for ``<=``, and RL would be paid for it (docs/rl_tiny.md, "Hidden tests
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 import random
@@ -104,15 +105,30 @@ def mutants(before: dict, after: dict) -> list[dict]:
   return out
 
 
+_TODO = "raise NotImplementedError"
+
+
 def trivial(before: dict) -> list[dict]:
   """``before`` with each unimplemented body (``raise NotImplementedError``) replaced by one that
-  does nothing: ``return 0``, or in a method ``return self.<first attribute>``."""
+  does nothing: ``return 0``, in a method ``return self.<attr>`` for each attribute, and
+  ``return <arg>`` for each of the function's own arguments (``return items`` got 15 % of the
+  ``implement`` level-2 hidden checks)."""
   out = []
   for body in ("return 0", *sorted({f"return self.{a}" for src in before.values()
                                       for a in re.findall(r"self\.(\w+) = ", src)})):
-    alt = {m: src.replace("raise NotImplementedError", body) for m, src in before.items()}
+    alt = {m: src.replace(_TODO, body) for m, src in before.items()}
     if alt != before:
       out.append(alt)
+  for mod, src in before.items():
+    lines = src.splitlines(keepends=True)
+    for fn in ast.walk(ast.parse(src)):
+      if isinstance(fn, ast.FunctionDef):
+        todo = [n.lineno - 1 for n in fn.body
+                if isinstance(n, ast.Raise) and _TODO in lines[n.lineno - 1]]
+        for a in (x.arg for x in fn.args.args if x.arg not in ("self", "cls")):
+          for i in todo:
+            out.append({**before, mod: "".join(
+                lines[:i] + [lines[i].replace(_TODO, f"return {a}")] + lines[i + 1:])})
   return out
 
 
