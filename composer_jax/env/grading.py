@@ -164,7 +164,7 @@ def run_value_checks(task: Task, root: str, limits: Limits,
     env = test_env(task, root)
     paths = env.pop("PYTHONPATH")  # the probe adds them after its own imports (oracle.PROBE_SOURCE)
     sb = Sandbox(root, limits, mode=mode, binds=[rep], hide=_hidden_from_sandbox(task))
-    r = sb.run(f"python -S {probe} {out} {shlex.quote(paths)} {' '.join(files)}", env=env,
+    r = sb.run(f"python -S -P {probe} {out} {shlex.quote(paths)} {' '.join(files)}", env=env,
                max_output_chars=4000)
     results = oracle.read_results(out)
   if results is None:

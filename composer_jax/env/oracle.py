@@ -430,20 +430,64 @@ def _absent_from(root: str, name: str, module: str) -> bool:
 
 
 def _names(path: str, name: str, star: bool) -> bool:
-  """Whether the file at ``path`` may bind or use ``name``: a NAME token of it (``star``: or a star
-  import, which binds names the file never spells), or no regular, tokenizable file to read."""
+  """Whether the file at ``path`` may bind or use ``name``: a NAME token of it or an identifier of
+  its syntax tree (``star``: or a star import, which binds names the file never spells), or no
+  regular file that both read.
+
+  Both, because neither sees all: ``tokenize`` splits lines at ``\n`` only, so a line that starts
+  with a lone ``\r`` (a line break to the compiler) is skipped as blank, names and all; and it
+  reads an f-string as one token, where ``f"{(old := new)}"`` binds ``old``. The tree is the
+  compiler's own (``parse``, NFKC applied)."""
   blob = read_regular(path, MAX_MODULE_BYTES)
   if blob is None:
     return True
   try:
     toks = [t for t in tokenize.tokenize(io.BytesIO(blob).readline)
             if t.type in (tokenize.NAME, tokenize.OP)]
-  except (tokenize.TokenError, SyntaxError, UnicodeDecodeError):
+    tree = parse(blob)
+  except (tokenize.TokenError, SyntaxError, UnicodeDecodeError, ValueError):
     return True
   before = ["", *(t.string for t in toks)]
   # The compiler binds identifiers NFKC-normalised (a fullwidth "ｏｌｄ" is old); tokenize does not.
-  return any(t.type == tokenize.NAME and unicodedata.normalize("NFKC", t.string) == name
-             or star and t.string == "*" and prev == "import" for prev, t in zip(before, toks))
+  return (any(t.type == tokenize.NAME and unicodedata.normalize("NFKC", t.string) == name
+              or star and t.string == "*" and prev == "import" for prev, t in zip(before, toks))
+          or name in _identifiers(tree, star))
+
+
+def _identifiers(tree: ast.AST, star: bool) -> set[str]:
+  """Every identifier ``tree`` spells: names, attributes, definitions, arguments, keywords, import
+  names and aliases (each part of a dotted one), global/nonlocal and pattern captures; ``*`` for a
+  star import when ``star``."""
+  out: set[str] = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Name):
+      out.add(node.id)
+    elif isinstance(node, ast.Attribute):
+      out.add(node.attr)
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+      out.add(node.name)
+    elif isinstance(node, ast.arg):
+      out.add(node.arg)
+    elif isinstance(node, ast.keyword) and node.arg:
+      out.add(node.arg)
+    elif isinstance(node, ast.alias):
+      if node.name == "*":
+        out |= {"*"} if star else set()
+      else:
+        out |= set(node.name.split(".")) | ({node.asname} if node.asname else set())
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      out |= set(node.module.split("."))
+    elif isinstance(node, (ast.Global, ast.Nonlocal)):
+      out |= set(node.names)
+    elif isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name:
+      out.add(node.name)
+    elif isinstance(node, ast.MatchMapping) and node.rest:
+      out.add(node.rest)
+    elif isinstance(node, ast.MatchClass):
+      out |= set(node.kwd_attrs)
+    elif isinstance(node, ast.ExceptHandler) and node.name:
+      out.add(node.name)
+  return out
 
 
 def _python_sources(root: str) -> list[str]:
@@ -479,6 +523,8 @@ def main():
     dump, record = json.dump, encode  # held here: code under test could rebind the module's names
     # The workspace joins the path only now, after this runner's own imports: from PYTHONPATH, a
     # workspace json.py was what ``import json`` above found, and its dump() wrote the values.
+    if not sys.flags.safe_path:  # -P: without it this file's folder is on the path, and a
+      raise SystemExit("the probe runs as python -S -P")  # workspace ``import probe`` found it
     sys.path[0:0] = paths.split(os.pathsep)
     signal.signal(signal.SIGALRM, _alarm)
     results = {}

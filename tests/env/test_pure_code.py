@@ -484,3 +484,74 @@ _main.encode = lambda v, depth=0: ["bool", True] if v is False else _real(v, dep
   monkeypatch.setattr(pure_code, "READ_ONLY", frozenset())
   got = grade(task, ws)  # the old name is bound and the patch ran, but the check still saw it
   assert got.reward == 0.0 and f"test_{old}_is_gone" in str(got.details["failed_tests"]), got.details
+
+
+def _write_raw(path: str, text: str) -> None:
+  with open(path, "w", encoding="utf-8", newline="") as f:  # as the create tool writes: "\r" kept
+    f.write(text)
+
+
+@needs_bwrap
+def test_a_namespace_folder_named_probe_cannot_import_the_graders_probe(tmp_path, monkeypatch):
+  """A sixth helper's (stop 73): a folder ``probe/`` without ``__init__.py`` made ``probe`` a local
+  module to the read, and ``import probe`` then found the grader's own ``probe.py`` in its folder,
+  first on ``sys.path`` (a regular module beats a namespace portion found earlier). Its globals
+  hold ``sys`` and ``builtins``. The probe now runs as ``python -S -P``: its folder is off the path."""
+  task, ws, amod, old, new = gold_rename(tmp_path, "pure/nsprobe/1")
+  os.makedirs(os.path.join(ws, "probe"))
+  write_text(os.path.join(ws, "probe", "stub.py"), "X = 1\n")
+  old_str = " + ".join(repr(c) for c in old)
+  attack = f'''
+import probe
+_get = probe.sys.modules["operator"].attrgetter
+_b = probe.builtins
+_real = _get("__cj_" + "probe__")(_b)
+_get("set" + "attr")(_b)(_b, "__cj_" + "probe__", lambda i, v: _real(i, True if v is False else v))
+_get("set" + "attr")(_b)(probe.sys.modules[__name__], {old_str}, {new})
+'''
+  write_text(os.path.join(ws, f"{amod}.py"), read_text(os.path.join(ws, f"{amod}.py")) + attack)
+  got = grade(task, ws)
+  assert "code_refused" not in got.details and got.reward == 0.0, got.details
+
+  class Unsafe(sbm.Sandbox):  # the command and probe before this stop
+    def run(self, command, **kw):
+      return super().run(command.replace("python -S -P ", "python -S "), **kw)
+  monkeypatch.setattr("composer_jax.env.grading.Sandbox", Unsafe)
+  monkeypatch.setattr(oracle, "PROBE_SOURCE", oracle.PROBE_SOURCE.replace(
+      "if not sys.flags.safe_path:", "if False:"))
+  assert grade(task, ws).reward == 1.0
+
+
+@needs_bwrap
+def test_a_line_that_starts_with_a_lone_cr_hides_no_name_from_the_host(tmp_path, monkeypatch):
+  """The same helper's: ``tokenize`` splits lines at ``\\n`` only and skips a line that starts with
+  ``\\r`` as blank, where the compiler sees a line break and code. The unrenamed modules, each line
+  naming the old name hidden so, scored 1.0; the host now also reads the compiler's tree."""
+  task, ws, amod, old, new = gold_rename(tmp_path, "pure/cr/1")
+  (bmod,) = [f for f in task.gold_files if f != f"{amod}.py"]
+
+  def hide(text):
+    return "".join("\r" + line if old in line else line for line in text.splitlines(keepends=True))
+  _write_raw(os.path.join(ws, f"{amod}.py"),
+             hide(read_text(os.path.join(task.workspace_dir, f"{amod}.py"))) + f"\r{new} = {old}\n")
+  _write_raw(os.path.join(ws, bmod), f"import {amod}\n" + hide(
+      read_text(os.path.join(task.workspace_dir, bmod))) + f"\rdel {amod}.{old}\n")
+  got = grade(task, ws)
+  assert "code_refused" not in got.details and got.reward == 0.0, got.details
+  assert f"test_{old}_is_gone" in str(got.details["failed_tests"]), got.details
+  monkeypatch.setattr(oracle, "_identifiers", lambda tree, star: set())  # tokens only
+  assert grade(task, ws).reward == 1.0
+
+
+@pytest.mark.parametrize("text,star,named", [
+    ('print(f"{(old := 1)}")\n', False, True),  # tokenize reads the f-string as one token
+    ("x = 1\r\rold = 2\n", False, True),
+    ("from m import *\n", True, True),
+    ("from m import *\n", False, False),
+    ('s = "old"  # old\n', False, False),  # strings and comments are not names
+    ("def f(*, old=1):\n    return old\n", False, True),
+])
+def test_the_hosts_name_read_sees_what_the_compiler_binds(tmp_path, text, star, named):
+  path = str(tmp_path / "m.py")
+  _write_raw(path, text)
+  assert oracle._names(path, "old", star=star) is named
