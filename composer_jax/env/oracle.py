@@ -60,6 +60,7 @@ class Expected:
   op: str = "=="  # or one of OPS' operators, redone on the host ...
   side: str = "right"  # ... with the literal on this side of it
   absent: tuple = ()  # (name, module): ``assert not hasattr(module, name)``, see confirm_on_host
+  credit: bool = True  # False for ``kept(got, want)``: the starting code gives it too (checks_right)
 
 
 # ``assert A OP B`` for these operators, one side a literal: the host redoes OP on the recorded side
@@ -102,13 +103,13 @@ class _Rewrite(ast.NodeTransformer):
   def visit_Expr(self, node):
     call = node.value
     if (self.test and isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-        and call.func.id == "check"):
+        and call.func.id in ("check", "kept")):
       if len(call.args) != 2 or call.keywords:
-        self._refuse("check() takes (got, want)")
+        self._refuse(f"{call.func.id}() takes (got, want)")
       want = literal(call.args[1])
       if want is _NOT:
         self._refuse(f"expected value {ast.unparse(call.args[1])!r} is not a literal")
-      return self._probe(call.args[0], want, True, node)
+      return self._probe(call.args[0], want, True, node, credit=call.func.id == "check")
     return self.generic_visit(node)
 
   def visit_Assert(self, node):
@@ -328,13 +329,16 @@ def checks_right(expected: dict[str, dict[str, list[Expected]]], results: dict,
 
   Partial credit reads this over the hidden test files: each check there is a value for an input
   the agent never saw, so the share is how much of the function is right and cannot be earned by
-  returning the visible tests' values (except where a hidden input repeats a visible one)."""
+  returning the visible tests' values (except where a hidden input repeats a visible one). A
+  ``kept`` check (a value the starting code gives too) is not counted: leaving the code as it was
+  earns nothing."""
   right = total = 0
   for file in files:
     got_file = results.get(file) if isinstance(results, dict) else None
     for test, exp in expected.get(file, {}).items():
       rec = got_file.get(test) if isinstance(got_file, dict) else None
       seen = recorded(rec) if isinstance(rec, dict) else {}
+      exp = [e for e in exp if e.credit]
       total += len(exp)
       right += sum(bool(seen.get(e.index)) and all(matches(g, e) for g in seen[e.index]) for e in exp)
   return {"passed": right, "total": total}

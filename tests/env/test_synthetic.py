@@ -3,6 +3,7 @@ grader, per-test results from the light runner, and the runner's resistance to t
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import random
@@ -13,7 +14,7 @@ import types
 
 import pytest
 
-from composer_jax.env import synthetic
+from composer_jax.env import oracle, synthetic
 from composer_jax.env.grading import grade
 from composer_jax.env.synthetic import (
   TEMPLATES,
@@ -25,6 +26,7 @@ from composer_jax.env.synthetic import (
 from composer_jax.env.synthetic.cases import trivial
 from composer_jax.env.synthetic.runner import RUNNER_PATH
 from composer_jax.env.tasks import load_task, read_text, write_text
+from composer_jax.rl.rewards import grade_value
 
 LEVELS = [(name, d) for name, t in TEMPLATES.items() for d in t.levels]
 
@@ -330,3 +332,36 @@ def test_a_body_that_does_nothing_earns_almost_no_partial_credit(tmp_path, name,
       got[kind] = (right + hidden["passed"], total + hidden["total"])
   assert {"return 0", "return <arg>"} <= set(got), got
   assert all(total > 0 and right / total <= most for right, total in got.values()), got
+
+
+def test_partial_credit_pays_only_for_checks_the_change_makes_right(tmp_path, monkeypatch):
+  """A sixth helper (stop 73) left a ``rename`` undone but for one alias line in the first module
+  (``new = old``): the user function's hidden values were right, as they were at the start, and it
+  got 3 of 4 checks (0.225 at ``rl.partial_credit=0.3``). Those checks are now ``kept(e, v)`` in the
+  hidden test: they must pass, but only the absence check is paid."""
+  task = synthetic.write_task(TEMPLATES["rename"].make(random.Random("kept/rename/1"), 1),
+                              str(tmp_path / "t"))
+  hidden = read_text(os.path.join(task.protected_dir, task.hidden_tests[0]))
+  old = re.search(r"def test_(\w+)_is_gone", hidden).group(1)
+  amod = re.search(r"hasattr\((\w+), ", hidden).group(1)
+  new = re.search(rf"from {amod} import (\w+)  # noqa", hidden).group(1)
+  assert "kept(" in hidden and "    check(" not in hidden.split("def test_")[1], hidden
+  ws = str(tmp_path / "ws")
+  shutil.copytree(task.workspace_dir, ws)
+  path = os.path.join(ws, f"{amod}.py")
+  write_text(path, read_text(path) + f"\n{new} = {old}\n")
+  got = grade(task, ws)
+  assert got.details["hidden_checks"] == {"passed": 0, "total": 1}, got.details
+  assert grade_value(got.details, False, 0.3) == 0.0
+  monkeypatch.setattr(oracle, "checks_right", _count_all(oracle.checks_right))  # as before
+  assert grade(task, ws).details["hidden_checks"] == {"passed": 3, "total": 4}
+
+
+def _count_all(checks_right):
+  """``checks_right`` counting every check, ``kept`` ones too."""
+
+  def count(expected, results, files):
+    every = {f: {t: [dataclasses.replace(e, credit=True) for e in exp] for t, exp in tests.items()}
+             for f, tests in expected.items()}
+    return checks_right(every, results, files)
+  return count

@@ -179,21 +179,34 @@ def module(*blocks: str, header: str = "") -> str:
   return "\n\n\n".join(p.strip("\n") for p in parts) + "\n"
 
 
-def render_test(name: str, steps: list, values: list, strict: bool) -> str:
-  """A test function: statements as they are, checks as ``assert e == v`` (or ``check(e, v)``)."""
+def render_test(name: str, steps: list, values: list, strict: bool, kept=()) -> str:
+  """A test function: statements as they are, checks as ``assert e == v`` (or ``check(e, v)``, and
+  ``kept(e, v)`` for the checks numbered in ``kept``)."""
   lines = [f"def {name}():"]
-  it = iter(values)
+  it = enumerate(values)
   for kind, code in steps:
     if kind == "stmt":
       lines.append(f"    {code}")
     else:
-      v = repr(next(it))
-      lines.append(f"    check({code}, {v})" if strict else f"    assert {code} == {v}")
+      i, v = next(it)
+      lines.append(f"    {'kept' if i in kept else 'check'}({code}, {v!r})" if strict
+                   else f"    assert {code} == {v!r}")
   return "\n".join(lines) + "\n"
 
 
+def hidden_test(name: str, steps: list, before: dict, after: dict) -> str:
+  """The hidden test of ``steps``: each check a ``check(e, v)`` with the reference's value, or a
+  ``kept(e, v)`` where the starting code gives that value too. Both must pass, but partial credit
+  pays only for the checks the change has to make right (``oracle.checks_right``): a ``rename``
+  left undone with one alias line got 3 of 4, and a ``fix_bug`` start the checks its bug misses."""
+  want, start = run_steps(after, steps), run_steps(before, steps)
+  kept = {i for i, (w, s) in enumerate(zip(want, start)) if type(w) is type(s) and w == s}
+  return render_test(name, steps, want, True, kept)
+
+
 CHECK = ("def check(got, want):\n"
-         "    assert type(got) is type(want) and got == want, (got, want)\n")
+         "    assert type(got) is type(want) and got == want, (got, want)\n\n\n"
+         "kept = check  # a value the starting code already gives (hidden_test)\n")
 
 
 def test_file(imports: list, tests: list) -> str:
@@ -248,8 +261,7 @@ def _function_tests(rng, mod, fn, args, before, after, other=None, n_vis=2, n_hi
   visible = {f"test_{mod}.py": test_file([*header_extra, f"from {mod} import {', '.join(imports)}"],
                                          tests)}
   hidden = {f"test_{mod}_hidden.py": test_file(
-      [f"from {mod} import {fn}"], [CHECK, render_test(f"test_{fn}_hidden", hid, run_steps(after, hid),
-                                                      True)])}
+      [f"from {mod} import {fn}"], [CHECK, hidden_test(f"test_{fn}_hidden", hid, before, after)])}
   f2p = [f"test_{mod}.py::test_{fn}", f"test_{mod}_hidden.py::test_{fn}_hidden"]
   return visible, hidden, f2p, p2p
 
@@ -394,8 +406,8 @@ def _class_task(rng, d, template, buggy: bool) -> Instance:
     p2p.append(f"test_{mod}.py::test_{other}")
   vis_files = {f"test_{mod}.py": test_file([f"from {mod} import {cls}"], tests)}
   hid_files = {f"test_{mod}_hidden.py": test_file(
-      [f"from {mod} import {cls}"], [CHECK, render_test(f"test_{meth}_hidden", hid,
-                                                       run_steps(after, hid), True)])}
+      [f"from {mod} import {cls}"], [CHECK, hidden_test(f"test_{meth}_hidden", hid, before,
+                                                       after)])}
   f2p = [f"test_{mod}.py::test_{meth}", f"test_{mod}_hidden.py::test_{meth}_hidden"]
   if buggy:
     prompt = (f"`{cls}.{meth}` in `{mod}.py` does not do what its docstring says. Fix the bug. "
@@ -461,7 +473,7 @@ def two_file(rng: random.Random, d: int) -> Instance:
       f"            {mod}.{new} = old"]) + "\n"
   hidden = {f"test_{mod}_hidden.py": test_file(
       [f"import {cmod}", f"import {mod}", f"from {mod} import {fn}"],
-      [CHECK, render_test(f"test_{fn}_hidden", hid, run_steps(after, hid), True), uses_test])}
+      [CHECK, hidden_test(f"test_{fn}_hidden", hid, before, after), uses_test])}
   f2p = [f"test_{mod}.py::test_{new.lower()}", f"test_{mod}.py::test_{fn}",
          f"test_{mod}_hidden.py::test_{fn}_hidden", f"test_{mod}_hidden.py::test_{fn}_uses_{new.lower()}"]
   prompt = (f"Add the constant `{new} = {nval}` to `{cmod}.py`, then implement `{fn}` in `{mod}.py` as "
@@ -500,7 +512,7 @@ def rename(rng: random.Random, d: int) -> Instance:
   gone = f"def test_{old}_is_gone():\n    assert not hasattr({amod}, {old!r})\n"
   hidden = {f"test_{bmod}_hidden.py": test_file(
       [f"import {amod}", f"from {amod} import {new}  # noqa: F401", f"from {bmod} import {user}"],
-      [CHECK, render_test(f"test_{user}_hidden", hid, run_steps(after, hid), True), gone])}
+      [CHECK, hidden_test(f"test_{user}_hidden", hid, before, after), gone])}
   f2p = [f"test_{bmod}.py::test_{new}", f"test_{bmod}.py::test_{user}",
          f"test_{bmod}_hidden.py::test_{user}_hidden", f"test_{bmod}_hidden.py::test_{old}_is_gone"]
   prompt = (f"Rename the function `{old}` in `{amod}.py` to `{new}` and update its uses in `{bmod}.py`. "
