@@ -342,12 +342,10 @@ def test_values_and_report_graders_agree_on_honest_and_slipped_code(tmp_path, na
       assert (a.reward, a.details["failed_tests"]) == (b.reward, b.details["failed_tests"]), (d, i)
       if i < 2:
         assert a.reward == float(i)
-        # Hidden checks for partial credit: all right in the reference; at the start some may be
-        # (a bug shows on some inputs only), never all.
+        # Hidden checks for partial credit: all right in the reference, none at the start (a value
+        # the start gives is a ``kept`` check, not paid: templates.hidden_test).
         hc = a.details["hidden_checks"]
-        assert hc["total"] > 0 and (hc["passed"] == hc["total"] if i else hc["passed"] < hc["total"])
-        if i == 0 and name.startswith(("implement", "two_file", "rename")):  # the start raises
-          assert hc["passed"] == 0, (d, hc)
+        assert hc["passed"] == (hc["total"] if i else 0), (d, i, hc)
 
 
 def test_task_grader_field_is_checked():

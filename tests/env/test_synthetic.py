@@ -311,8 +311,9 @@ def test_a_body_that_does_nothing_earns_almost_no_partial_credit(tmp_path, name,
   22 of 54 over six ``method`` level-3 seeds. Over these twenty seeds ``return <arg>`` got 17 of 110
   ``implement`` level-2 checks and 10 of 105 level-3 ones. The hidden cases now separate the
   reference from every such body where an input can (``cases.trivial``): 5 of 113 and 6 of 109.
-  The method's 34 of 198 for ``return self.<attr>`` are mostly inputs that also catch a near miss
-  (``>=`` for ``<=``), on which the reference leaves the attribute as it was."""
+  The method's 34 of 198 for ``return self.<attr>`` were inputs on which the condition is false;
+  since the reference with a branch forced also gives those values (``cases.branch_only``), such
+  checks are ``kept`` and not paid, and this method's hidden checks pay nothing (0 of 0)."""
   got = {}
   for seed in range(20):
     task = synthetic.write_task(TEMPLATES[name].make(random.Random(f"noop/{name}/{seed}"), d),
@@ -331,7 +332,7 @@ def test_a_body_that_does_nothing_earns_almost_no_partial_credit(tmp_path, name,
       right, total = got.get(kind, (0, 0))
       got[kind] = (right + hidden["passed"], total + hidden["total"])
   assert {"return 0", "return <arg>"} <= set(got), got
-  assert all(total > 0 and right / total <= most for right, total in got.values()), got
+  assert all(right <= most * total for right, total in got.values()), got
 
 
 def test_partial_credit_pays_only_for_checks_the_change_makes_right(tmp_path, monkeypatch):
@@ -365,3 +366,46 @@ def _count_all(checks_right):
              for f, tests in expected.items()}
     return checks_right(every, results, files)
   return count
+
+
+def _branch_shortcuts(tmp_path, name, d, seeds, tag, force):
+  """(resolved, credited hidden checks right, credited total) of the reference with one branch
+  forced (``force``: ``cases.branch_only``) over ``seeds`` instances, through the real grader."""
+  resolved = right = total = 0
+  for seed in range(seeds):
+    inst = TEMPLATES[name].make(random.Random(f"branch/{name}/{seed}"), d)
+    variants = force({k[:-3]: v for k, v in inst.files.items()},
+                                 {k[:-3]: v for k, v in inst.gold.items()})
+    if not variants:
+      continue
+    task = synthetic.write_task(inst, str(tmp_path / f"{tag}t{seed}"))
+    for k, var in enumerate(variants):
+      ws = str(tmp_path / f"{tag}ws{seed}_{k}")
+      shutil.copytree(task.workspace_dir, ws)
+      for mod, src in var.items():
+        write_text(os.path.join(ws, mod + ".py"), src)
+      got = grade(task, ws)
+      resolved += got.reward == 1.0
+      right += got.details["hidden_checks"]["passed"]
+      total += got.details["hidden_checks"]["total"]
+  return resolved, right, total
+
+
+def test_a_reference_with_a_branch_forced_neither_resolves_nor_earns_partial_credit(
+    tmp_path, monkeypatch):
+  """The second helper of stop 73: ``implement`` level 3's ``choose`` (``return a if a < b else
+  b + c``) with only its else part passed 10 of 43 tasks outright, and a ``method`` level 3 with
+  its condition dropped got 82 % of the hidden checks. The hidden cases now also catch each
+  branch forced (``cases.branch_only``, beside the near misses), and a value a forced branch gives
+  is a ``kept`` check, not paid."""
+  from composer_jax.env.synthetic import cases, templates
+  force = cases.branch_only
+  # One passes: seed 8's filter ``x <= 9`` keeps every item of 0..9, so it is no filter there.
+  assert _branch_shortcuts(tmp_path, "implement", 3, 40, "a", force)[0] <= 1
+  res, right, total = _branch_shortcuts(tmp_path, "method", 3, 8, "b", force)
+  assert res == 0 and right == 0, (res, right, total)
+  monkeypatch.setattr(cases, "branch_only", lambda before, after: [])  # as before
+  monkeypatch.setattr(templates, "branch_only", lambda before, after: [])
+  assert _branch_shortcuts(tmp_path, "implement", 3, 40, "c", force)[0] > 1
+  res, right, total = _branch_shortcuts(tmp_path, "method", 3, 8, "d", force)
+  assert right > 0.3 * total, (res, right, total)

@@ -24,7 +24,14 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from composer_jax.env.synthetic.cases import differing, flat, hidden_steps, run_steps
+from composer_jax.env.synthetic.cases import (
+  branch_only,
+  differing,
+  flat,
+  hidden_steps,
+  run_steps,
+  trivial,
+)
 
 # --------------------------------------------------------------------------------------------------
 # Vocabulary (module names avoid the stdlib modules the runner imports: a local file would shadow them)
@@ -196,11 +203,15 @@ def render_test(name: str, steps: list, values: list, strict: bool, kept=()) -> 
 
 def hidden_test(name: str, steps: list, before: dict, after: dict) -> str:
   """The hidden test of ``steps``: each check a ``check(e, v)`` with the reference's value, or a
-  ``kept(e, v)`` where the starting code gives that value too. Both must pass, but partial credit
-  pays only for the checks the change has to make right (``oracle.checks_right``): a ``rename``
-  left undone with one alias line got 3 of 4, and a ``fix_bug`` start the checks its bug misses."""
-  want, start = run_steps(after, steps), run_steps(before, steps)
-  kept = {i for i, (w, s) in enumerate(zip(want, start)) if type(w) is type(s) and w == s}
+  ``kept(e, v)`` where the starting code, a body that does nothing (``trivial``) or the reference
+  with a branch forced (``branch_only``) gives that value too. Both must pass, but partial credit
+  pays only for the checks such shortcuts miss (``oracle.checks_right``): a ``rename`` left undone
+  with one alias line got 3 of 4, and a ``method`` with its condition dropped 82 %."""
+  want = run_steps(after, steps)
+  kept = set()
+  for other in [before, *trivial(before), *branch_only(before, after)]:
+    kept |= {i for i, (w, s) in enumerate(zip(want, run_steps(other, steps)))
+             if type(w) is type(s) and w == s}
   return render_test(name, steps, want, True, kept)
 
 
