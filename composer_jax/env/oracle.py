@@ -60,7 +60,7 @@ class Expected:
   op: str = "=="  # or one of OPS' operators, redone on the host ...
   side: str = "right"  # ... with the literal on this side of it
   absent: tuple = ()  # (name, module): ``assert not hasattr(module, name)``, see confirm_on_host
-  credit: bool = True  # False for ``kept(got, want)``: the starting code gives it too (checks_right)
+  credit: bool = True  # False for ``kept(got, want)``: a shortcut gives it too (checks_right)
 
 
 # ``assert A OP B`` for these operators, one side a literal: the host redoes OP on the recorded side
@@ -330,8 +330,8 @@ def checks_right(expected: dict[str, dict[str, list[Expected]]], results: dict,
   Partial credit reads this over the hidden test files: each check there is a value for an input
   the agent never saw, so the share is how much of the function is right and cannot be earned by
   returning the visible tests' values (except where a hidden input repeats a visible one). A
-  ``kept`` check (a value the starting code gives too) is not counted: leaving the code as it was
-  earns nothing."""
+  ``kept`` check is not counted: the start, a do-nothing body or the reference with a branch
+  forced gives that value too (``synthetic.templates.hidden_test``)."""
   right = total = 0
   for file in files:
     got_file = results.get(file) if isinstance(results, dict) else None
