@@ -105,7 +105,7 @@ def mutants(before: dict, after: dict) -> list[dict]:
   return out
 
 
-_TODO = "raise NotImplementedError"
+TODO_BODY = "raise NotImplementedError"
 
 
 def trivial(before: dict) -> list[dict]:
@@ -116,7 +116,7 @@ def trivial(before: dict) -> list[dict]:
   out = []
   for body in ("return 0", *sorted({f"return self.{a}" for src in before.values()
                                       for a in re.findall(r"self\.(\w+) = ", src)})):
-    alt = {m: src.replace(_TODO, body) for m, src in before.items()}
+    alt = {m: src.replace(TODO_BODY, body) for m, src in before.items()}
     if alt != before:
       out.append(alt)
   for mod, src in before.items():
@@ -124,11 +124,11 @@ def trivial(before: dict) -> list[dict]:
     for fn in ast.walk(ast.parse(src)):
       if isinstance(fn, ast.FunctionDef):
         todo = [n.lineno - 1 for n in fn.body
-                if isinstance(n, ast.Raise) and _TODO in lines[n.lineno - 1]]
+                if isinstance(n, ast.Raise) and TODO_BODY in lines[n.lineno - 1]]
         for a in (x.arg for x in fn.args.args if x.arg not in ("self", "cls")):
           for i in todo:
             out.append({**before, mod: "".join(
-                lines[:i] + [lines[i].replace(_TODO, f"return {a}")] + lines[i + 1:])})
+                lines[:i] + [lines[i].replace(TODO_BODY, f"return {a}")] + lines[i + 1:])})
   return out
 
 

@@ -25,6 +25,7 @@ import dataclasses
 import random
 
 from composer_jax.env.synthetic.cases import (
+  TODO_BODY,
   branch_only,
   differing,
   flat,
@@ -177,7 +178,7 @@ def function_src(name: str, args: list, doc: str, body: list, indent: str = "") 
   return "\n".join(lines) + "\n"
 
 
-TODO = ["raise NotImplementedError"]
+TODO = [TODO_BODY]  # the unimplemented body that cases.trivial replaces
 
 
 def module(*blocks: str, header: str = "") -> str:
