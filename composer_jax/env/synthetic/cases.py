@@ -10,6 +10,7 @@ as ``<`` for ``<=``, and RL would be paid for it (docs/rl_tiny.md, "Hidden tests
 from __future__ import annotations
 
 import ast
+import collections
 import itertools
 import json
 import random
@@ -56,15 +57,21 @@ def flat(step_lists: list) -> list:
 
 
 def differing(before: dict, after: dict, make_steps, rng: random.Random, n: int,
-              tries: int = 60, also=()) -> list:
+              tries: int = 60, also=(), avoid=()) -> list:
   """``n`` step lists on which the reference and the starting code give different results (the
   first ones), so the tests fail before the change; later lists may agree. ``also``: more sources
-  (trivial bodies) that lists separate from the reference as well where they can; those come first."""
-  found, partly, rest = [], [], []
+  (shortcuts) that lists separate from the reference as well where they can; those come first.
+  A list drawn twice is kept once, and one in ``avoid`` (a visible test's: a lookup table of the
+  visible cases passes it) only where nothing else is left."""
+  found, partly, rest, shown = [], [], [], []
   for _ in range(tries):
     steps = make_steps(rng)
+    if steps in found or steps in partly or steps in rest or steps in shown:
+      continue
     want = run_steps(after, steps)
-    if want == run_steps(before, steps):
+    if steps in avoid:
+      shown.append(steps)
+    elif want == run_steps(before, steps):
       rest.append(steps)
     elif all(want != run_steps(other, steps) for other in also):
       found.append(steps)
@@ -74,7 +81,17 @@ def differing(before: dict, after: dict, make_steps, rng: random.Random, n: int,
       break
   if not found and not partly:
     raise ValueError("no input separates the reference from the starting code")
-  return (found + partly + rest)[:n]
+  return (found + partly + rest + shown)[:n]
+
+
+def varied(sources: dict, make_steps, seed: str, draws: int = 40) -> bool:
+  """The checks of ``draws`` step lists give at least 3 distinct results, none in more than half:
+  a reference with fewer (``n // 6 % 9`` is 0 or 1 over 0..9) is passed by a constant copied from
+  a visible test, and has little for the hidden cases to tell apart."""
+  gen = random.Random(seed)
+  got = collections.Counter(repr(v) for v in
+                            run_steps(sources, flat(make_steps(gen) for _ in range(draws))))
+  return len(got) >= 3 and max(got.values()) <= sum(got.values()) / 2
 
 
 _SITE = re.compile(r"(?<= )(\+|-|\*|//|%|<=|>=|<|>|==)(?= )|\b\d+\b")
@@ -132,6 +149,25 @@ def trivial(before: dict) -> list[dict]:
   return out
 
 
+def returning(before: dict, fn: str, values) -> list[dict]:
+  """``before`` with the body of each function or method named ``fn`` replaced by ``return v``,
+  one per distinct ``v`` of ``values`` (the visible tests' values: copied into a constant body they
+  resolved 9 of 200 ``implement`` level-2 tasks, and earned 11 % of its hidden checks)."""
+  out = []
+  for v in dict.fromkeys(map(repr, values)):
+    for mod, src in before.items():
+      lines = src.splitlines(keepends=True)
+      for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.FunctionDef) and node.name == fn:
+          body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+          if body:
+            first = body[0]
+            new = lines[first.lineno - 1][:first.col_offset] + f"return {v}\n"
+            out.append({**before, mod: "".join(lines[:first.lineno - 1] + [new]
+                                                + lines[node.end_lineno:])})
+  return out
+
+
 class _Force(ast.NodeTransformer):
   """The ``k``-th branch point of a tree (an ``if``, a conditional expression, a comprehension's
   ``if``) with its test forced to ``value``; ``seen`` counts them."""
@@ -181,18 +217,23 @@ def branch_only(before: dict, after: dict) -> list[dict]:
 
 
 def hidden_steps(before: dict, after: dict, make_steps, rng: random.Random, n: int,
-                 pool: int = 48) -> list:
-  """The hidden test's steps: ``n`` step lists on which the starting code fails (``differing``),
-  and so does a body that does nothing (``trivial``: partial credit pays the share of hidden checks
-  right, and ``return self.x`` got half of a conditional method's, the cases where the condition
-  is false), then, for each mutant of the reference (``mutants``) that those do not catch, the
-  first of ``pool`` further step lists that does. A mutant none of them catches behaves as the
-  reference on these inputs. The pool has its own generator, seeded by ``after``, so the
-  instance's other draws (files, visible tests) are what they were without it."""
-  noops = trivial(before)
-  chosen = differing(before, after, make_steps, rng, n, also=noops)
+                 pool: int = 48, shortcuts=(), shown=()) -> list:
+  """The hidden test's step lists: ``n`` on which the starting code fails (``differing``), and so
+  does each shortcut where an input can tell: a body that does nothing (``trivial``: partial credit
+  pays the share of hidden checks right, and ``return self.x`` got half of a conditional method's),
+  the reference with a branch forced (``branch_only``) and ``shortcuts`` (a constant from a visible
+  test: ``returning``); none is a visible test's list (``shown``). Then, for each mutant of the
+  reference (``mutants``, ``branch_only``) that those do not catch, the first of ``pool`` further
+  lists that does. A mutant none of them catches behaves as the reference on these inputs. The
+  pool has its own generator, seeded by ``after``, so the instance's other draws (files, visible
+  tests) are what they were without it."""
+  noops, forced = trivial(before) + list(shortcuts), branch_only(before, after)
+  chosen = differing(before, after, make_steps, rng, n, also=noops + forced, avoid=shown)
   gen = random.Random(json.dumps(after, sort_keys=True))
-  lists = chosen + [make_steps(gen) for _ in range(pool)]
+  lists = list(chosen)
+  for steps in (make_steps(gen) for _ in range(pool)):
+    if steps not in lists and steps not in shown:
+      lists.append(steps)
   ends = [0]
   for steps in lists:
     ends.append(ends[-1] + sum(kind == "check" for kind, _ in steps))
@@ -202,7 +243,7 @@ def hidden_steps(before: dict, after: dict, make_steps, rng: random.Random, n: i
     return [out[a:b] for a, b in itertools.pairwise(ends[:upto + 1])]
 
   ref, keep, noop_out = per_list(after, len(lists)), list(range(len(chosen))), None
-  for mut in mutants(before, after) + branch_only(before, after):
+  for mut in mutants(before, after) + forced:
     # Most mutants fail the drawn cases; only the others are run on the whole pool.
     if any(a != b for a, b in zip(per_list(mut, len(chosen)), ref, strict=False)):
       continue
@@ -212,4 +253,4 @@ def hidden_steps(before: dict, after: dict, make_steps, rng: random.Random, n: i
         noop_out = [per_list(t, len(lists)) for t in noops]
       catch = [i for i in range(len(chosen), len(lists)) if got[i] != ref[i]]
       keep += ([i for i in catch if all(t[i] != ref[i] for t in noop_out)] or catch)[:1]
-  return flat(lists[i] for i in keep)
+  return [lists[i] for i in keep]

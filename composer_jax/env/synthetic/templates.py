@@ -30,8 +30,10 @@ from composer_jax.env.synthetic.cases import (
   differing,
   flat,
   hidden_steps,
+  returning,
   run_steps,
   trivial,
+  varied,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -202,15 +204,22 @@ def render_test(name: str, steps: list, values: list, strict: bool, kept=()) -> 
   return "\n".join(lines) + "\n"
 
 
-def hidden_test(name: str, steps: list, before: dict, after: dict) -> str:
-  """The hidden test of ``steps``: each check a ``check(e, v)`` with the reference's value, or a
-  ``kept(e, v)`` where the starting code, a body that does nothing (``trivial``) or the reference
-  with a branch forced (``branch_only``) gives that value too. Both must pass, but partial credit
-  pays only for the checks such shortcuts miss (``oracle.checks_right``): a ``rename`` left undone
-  with one alias line got 3 of 4, and a ``method`` with its condition dropped 82 %."""
+def hidden_test(name: str, lists: list, before: dict, after: dict, shortcuts=(), shown=()) -> str:
+  """The hidden test of the step ``lists``: each check a ``check(e, v)`` with the reference's value,
+  or a ``kept(e, v)`` where a shortcut gives that value too: the starting code, a body that does
+  nothing (``trivial``), the reference with a branch forced (``branch_only``), ``shortcuts`` (a
+  visible value returned as a constant), or a table of the visible cases (a list in ``shown``).
+  Both must pass, but partial credit pays only for the checks no shortcut gets
+  (``oracle.checks_right``): a ``rename`` left undone with one alias line got 3 of 4, and a
+  ``method`` with its condition dropped 82 %."""
+  steps = flat(lists)
   want = run_steps(after, steps)
-  kept = set()
-  for other in [before, *trivial(before), *branch_only(before, after)]:
+  kept, i = set(), 0
+  for one in lists:
+    n = sum(kind == "check" for kind, _ in one)
+    kept |= set(range(i, i + n)) if one in shown else set()
+    i += n
+  for other in [before, *trivial(before), *branch_only(before, after), *shortcuts]:
     kept |= {i for i, (w, s) in enumerate(zip(want, run_steps(other, steps)))
              if type(w) is type(s) and w == s}
   return render_test(name, steps, want, True, kept)
@@ -218,7 +227,7 @@ def hidden_test(name: str, steps: list, before: dict, after: dict) -> str:
 
 CHECK = ("def check(got, want):\n"
          "    assert type(got) is type(want) and got == want, (got, want)\n\n\n"
-         "kept = check  # a value the starting code already gives (hidden_test)\n")
+         "kept = check  # a value a shortcut also gives: not paid as partial credit (hidden_test)\n")
 
 
 def test_file(imports: list, tests: list) -> str:
@@ -256,11 +265,32 @@ def _distractor(rng: random.Random, names: Names, prefix: list | None = None):
   return name, args, function_src(name, args, arith_doc(chain, False), [f"return {expr_text(chain)}"])
 
 
+def paired(make_steps, avoid=()):
+  """Step lists of one check that joins two draws of a call, ``(f(x), f(y))``: the reference with
+  a branch forced gets a single call right whenever the call takes that branch, and two calls on
+  either side of it only by being right (``implement``'s ``choose``). Neither draw is in ``avoid``
+  (the visible lists, which a table can pass) where 20 tries find another."""
+  def make(rng):
+    calls = []
+    for _ in range(2):
+      one = make_steps(rng)
+      for _ in range(20):
+        if one not in avoid:
+          break
+        one = make_steps(rng)
+      calls.append(one[0][1])
+    return [("check", f"({calls[0]}, {calls[1]})")]
+  return make
+
+
 def _function_tests(rng, mod, fn, args, before, after, other=None, n_vis=2, n_hid=4,
                     header_extra=()):
   """Visible ``test_MOD.py`` (target test + a passing test of ``other``) and hidden tests."""
-  vis = flat(differing(before, after, call_steps(fn, args), rng, n_vis))
-  hid = hidden_steps(before, after, call_steps(fn, args), rng, n_hid)
+  shown = differing(before, after, call_steps(fn, args), rng, n_vis)
+  vis = flat(shown)
+  consts = returning(before, fn, run_steps(after, vis))
+  make = paired(call_steps(fn, args), shown) if branch_only(before, after) else call_steps(fn, args)
+  hid = hidden_steps(before, after, make, rng, n_hid, shortcuts=consts, shown=shown)
   tests = [render_test(f"test_{fn}", vis, run_steps(after, vis), False)]
   p2p = []
   imports = [fn]
@@ -273,7 +303,8 @@ def _function_tests(rng, mod, fn, args, before, after, other=None, n_vis=2, n_hi
   visible = {f"test_{mod}.py": test_file([*header_extra, f"from {mod} import {', '.join(imports)}"],
                                          tests)}
   hidden = {f"test_{mod}_hidden.py": test_file(
-      [f"from {mod} import {fn}"], [CHECK, hidden_test(f"test_{fn}_hidden", hid, before, after)])}
+      [f"from {mod} import {fn}"],
+      [CHECK, hidden_test(f"test_{fn}_hidden", hid, before, after, consts, shown)])}
   f2p = [f"test_{mod}.py::test_{fn}", f"test_{mod}_hidden.py::test_{fn}_hidden"]
   return visible, hidden, f2p, p2p
 
@@ -291,12 +322,17 @@ def _function_module(rng, names, d, target_before, target_after):
 def implement(rng: random.Random, d: int) -> Instance:
   names = Names(rng)
   mod, fn = names.pick(MODULES), names.func()
-  if d >= 3:
-    args, doc, body = logic_spec(rng, names)
-  else:
-    args = [names.pick(SCALARS) for _ in range(rng.choice([1, 2]))]
-    chain = arith(rng, args, 1 if len(args) == 2 else rng.choice([1, 2]), hard=d >= 2)
-    doc, body = arith_doc(chain, words=d == 2), [f"return {expr_text(chain)}"]
+  for _ in range(50):  # a reference that takes few values is drawn again (cases.varied)
+    used = set(names.used)
+    if d >= 3:
+      args, doc, body = logic_spec(rng, names)
+    else:
+      args = [names.pick(SCALARS) for _ in range(rng.choice([1, 2]))]
+      chain = arith(rng, args, 1 if len(args) == 2 else rng.choice([1, 2]), hard=d >= 2)
+      doc, body = arith_doc(chain, words=d == 2), [f"return {expr_text(chain)}"]
+    if varied({mod: function_src(fn, args, doc, body)}, call_steps(fn, args), body[0]):
+      break
+    names.used = used
   b, a, other = _function_module(rng, names, d, function_src(fn, args, doc, TODO),
                                  function_src(fn, args, doc, body))
   before, after = {mod: module(*b)}, {mod: module(*a)}
@@ -408,8 +444,16 @@ def _class_task(rng, d, template, buggy: bool) -> Instance:
     always = [b.strip() for b in body[1:]]
     alt = {mod: _class_src(cls, attr, extra + [function_src(meth, ["self", "n"], doc, always, "    ")])}
     vis = vis[:1] + differing(alt, after, steps, rng, 1)
-  vis = flat(vis)
-  hid = hidden_steps(before, after, steps, rng, 4)
+  shown, vis = vis, flat(vis)
+
+  def twice(rng):  # two calls on one object: a forced branch gets both only where both take it
+    init, m1, m2 = rng.randint(1, 9), rng.randint(0, 9), rng.randint(0, 9)
+    return [("stmt", f"{var} = {cls}({init})"),
+            ("check", f"({var}.{meth}({m1}), {var}.{attr}, {var}.{meth}({m2}), {var}.{attr})")]
+
+  consts = returning(before, meth, run_steps(after, vis))
+  hid = hidden_steps(before, after, twice if branch_only(before, after) else steps, rng, 4,
+                     shortcuts=consts, shown=shown)
   tests = [render_test(f"test_{meth}", vis, run_steps(after, vis), False)]
   p2p = []
   if other:
@@ -418,8 +462,8 @@ def _class_task(rng, d, template, buggy: bool) -> Instance:
     p2p.append(f"test_{mod}.py::test_{other}")
   vis_files = {f"test_{mod}.py": test_file([f"from {mod} import {cls}"], tests)}
   hid_files = {f"test_{mod}_hidden.py": test_file(
-      [f"from {mod} import {cls}"], [CHECK, hidden_test(f"test_{meth}_hidden", hid, before,
-                                                       after)])}
+      [f"from {mod} import {cls}"], [CHECK, hidden_test(f"test_{meth}_hidden", hid, before, after,
+                                                       consts, shown)])}
   f2p = [f"test_{mod}.py::test_{meth}", f"test_{mod}_hidden.py::test_{meth}_hidden"]
   if buggy:
     prompt = (f"`{cls}.{meth}` in `{mod}.py` does not do what its docstring says. Fix the bug. "
@@ -458,7 +502,8 @@ def two_file(rng: random.Random, d: int) -> Instance:
                                         header=f"from {cmod} import {base}")}
   after = {cmod: consts_a, mod: module(osrc, function_src(fn, [arg], doc, body),
                                        header=f"from {cmod} import {base}\nfrom {cmod} import {new}")}
-  vis = flat(differing(before, after, call_steps(fn, [arg]), rng, 2))
+  shown = differing(before, after, call_steps(fn, [arg]), rng, 2)
+  vis = flat(shown)
   ost = flat(call_steps(oname, oargs)(rng) for _ in range(2))
   cst = [("check", f"{cmod}.{new}")]
   tests = [render_test(f"test_{new.lower()}", cst, [nval], False),
@@ -468,9 +513,14 @@ def two_file(rng: random.Random, d: int) -> Instance:
   # Hidden: the function must read the constant (a changed value changes the result).
   val = nval + rng.randint(1, 5)
   patch = [("stmt", f"{cmod}.{new} = {val}"), ("stmt", f"{mod}.{new} = {val}")]
-  hid = hidden_steps(before, after, call_steps(fn, [arg]), rng, 3)
-  uses = flat(call_steps(f"{mod}.{fn}", [arg])(rng) for _ in range(2))
+  consts = returning(before, fn, run_steps(after, vis))
+  hid = hidden_steps(before, after, call_steps(fn, [arg]), rng, 3, shortcuts=consts, shown=shown)
+  # Two distinct inputs, on which a visible value returned as a constant is wrong where it can be.
+  uses = [s for s in flat(differing(before, after, lambda g: patch + call_steps(f"{mod}.{fn}", [arg])(g),
+                                    rng, 2, also=consts)) if s[0] == "check"]
   used_vals = run_steps(after, patch + uses)
+  kept = {i for other in consts for i, (w, s) in
+          enumerate(zip(used_vals, run_steps(other, patch + uses))) if type(w) is type(s) and w == s}
   uses_test = "\n".join([
       f"def test_{fn}_uses_{new.lower()}():",
       f"    old = {cmod}.{new}",
@@ -478,14 +528,15 @@ def two_file(rng: random.Random, d: int) -> Instance:
       f"    if hasattr({mod}, {new!r}):",
       f"        {mod}.{new} = {val}",
       "    try:",
-      *[f"        check({code}, {v!r})" for (_, code), v in zip(uses, used_vals)],
+      *[f"        {'kept' if i in kept else 'check'}({code}, {v!r})"
+        for i, ((_, code), v) in enumerate(zip(uses, used_vals))],
       "    finally:",
       f"        {cmod}.{new} = old",
       f"        if hasattr({mod}, {new!r}):",
       f"            {mod}.{new} = old"]) + "\n"
   hidden = {f"test_{mod}_hidden.py": test_file(
       [f"import {cmod}", f"import {mod}", f"from {mod} import {fn}"],
-      [CHECK, hidden_test(f"test_{fn}_hidden", hid, before, after), uses_test])}
+      [CHECK, hidden_test(f"test_{fn}_hidden", hid, before, after, consts, shown), uses_test])}
   f2p = [f"test_{mod}.py::test_{new.lower()}", f"test_{mod}.py::test_{fn}",
          f"test_{mod}_hidden.py::test_{fn}_hidden", f"test_{mod}_hidden.py::test_{fn}_uses_{new.lower()}"]
   prompt = (f"Add the constant `{new} = {nval}` to `{cmod}.py`, then implement `{fn}` in `{mod}.py` as "
@@ -516,7 +567,7 @@ def rename(rng: random.Random, d: int) -> Instance:
   before, after = {amod: a_b, bmod: b_src(old)}, {amod: a_a, bmod: b_src(new)}
   vis_new = flat(call_steps(new, [arg])(rng) for _ in range(2))
   vis_user = flat(call_steps(user, [arg])(rng) for _ in range(2))
-  hid = flat(call_steps(user, [arg])(rng) for _ in range(3))
+  hid = [call_steps(user, [arg])(rng) for _ in range(3)]
   visible = {f"test_{bmod}.py": test_file(
       [f"from {amod} import {new}", f"from {bmod} import {user}"],
       [render_test(f"test_{new}", vis_new, run_steps(after, vis_new), False),
