@@ -84,14 +84,17 @@ def differing(before: dict, after: dict, make_steps, rng: random.Random, n: int,
   return (found + partly + rest + shown)[:n]
 
 
-def varied(sources: dict, make_steps, seed: str, draws: int = 40) -> bool:
-  """The checks of ``draws`` step lists give at least 3 distinct results, none in more than half:
-  a reference with fewer (``n // 6 % 9`` is 0 or 1 over 0..9) is passed by a constant copied from
-  a visible test, and has little for the hidden cases to tell apart."""
+def varied(sources: dict, make_steps, seed: str, draws: int = 40, unlike=()) -> bool:
+  """The checks of ``draws`` step lists give at least 3 distinct results, none in more than half,
+  and differ from each source of ``unlike`` somewhere: a reference with fewer (``n // 6 % 9`` is 0
+  or 1 over 0..9) is passed by a constant copied from a visible test, and one that is ``n * 3 //
+  3`` by ``return n``."""
   gen = random.Random(seed)
-  got = collections.Counter(repr(v) for v in
-                            run_steps(sources, flat(make_steps(gen) for _ in range(draws))))
-  return len(got) >= 3 and max(got.values()) <= sum(got.values()) / 2
+  steps = flat(make_steps(gen) for _ in range(draws))
+  want = run_steps(sources, steps)
+  got = collections.Counter(repr(v) for v in want)
+  return (len(got) >= 3 and max(got.values()) <= len(want) / 2
+          and all(run_steps(other, steps) != want for other in unlike))
 
 
 _SITE = re.compile(r"(?<= )(\+|-|\*|//|%|<=|>=|<|>|==)(?= )|\b\d+\b")
@@ -223,8 +226,8 @@ def hidden_steps(before: dict, after: dict, make_steps, rng: random.Random, n: i
   pays the share of hidden checks right, and ``return self.x`` got half of a conditional method's),
   the reference with a branch forced (``branch_only``) and ``shortcuts`` (a constant from a visible
   test: ``returning``); none is a visible test's list (``shown``). Then, for each mutant of the
-  reference (``mutants``, ``branch_only``) that those do not catch, the first of ``pool`` further
-  lists that does. A mutant none of them catches behaves as the reference on these inputs. The
+  reference (``mutants``, ``branch_only``) or shortcut that those do not catch, the first of
+  ``pool`` further lists that does. A mutant none of them catches behaves as the reference on these inputs. The
   pool has its own generator, seeded by ``after``, so the instance's other draws (files, visible
   tests) are what they were without it."""
   noops, forced = trivial(before) + list(shortcuts), branch_only(before, after)
@@ -243,7 +246,9 @@ def hidden_steps(before: dict, after: dict, make_steps, rng: random.Random, n: i
     return [out[a:b] for a, b in itertools.pairwise(ends[:upto + 1])]
 
   ref, keep, noop_out = per_list(after, len(lists)), list(range(len(chosen))), None
-  for mut in mutants(before, after) + forced:
+  # A shortcut the drawn lists do not catch is caught as a mutant is: ``n % 9`` is ``n`` but at 9,
+  # and ``return n`` resolved 2 of 9 ``implement`` level-2 tasks when no drawn input was 9.
+  for mut in mutants(before, after) + forced + noops:
     # Most mutants fail the drawn cases; only the others are run on the whole pool.
     if any(a != b for a, b in zip(per_list(mut, len(chosen)), ref, strict=False)):
       continue

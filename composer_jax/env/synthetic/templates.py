@@ -214,15 +214,21 @@ def hidden_test(name: str, lists: list, before: dict, after: dict, shortcuts=(),
   ``method`` with its condition dropped 82 %."""
   steps = flat(lists)
   want = run_steps(after, steps)
-  kept, i = set(), 0
+  kept = shared(want, steps, [before, *trivial(before), *branch_only(before, after), *shortcuts])
+  i = 0
   for one in lists:
     n = sum(kind == "check" for kind, _ in one)
-    kept |= set(range(i, i + n)) if one in shown else set()
+    if one in shown:
+      kept |= set(range(i, i + n))
     i += n
-  for other in [before, *trivial(before), *branch_only(before, after), *shortcuts]:
-    kept |= {i for i, (w, s) in enumerate(zip(want, run_steps(other, steps)))
-             if type(w) is type(s) and w == s}
   return render_test(name, steps, want, True, kept)
+
+
+def shared(want: list, steps: list, others) -> set:
+  """The numbers of the checks of ``steps`` on which a source of ``others`` gives the value of
+  ``want`` (of its type too)."""
+  return {i for other in others for i, (w, s) in enumerate(zip(want, run_steps(other, steps)))
+          if type(w) is type(s) and w == s}
 
 
 CHECK = ("def check(got, want):\n"
@@ -330,7 +336,8 @@ def implement(rng: random.Random, d: int) -> Instance:
       args = [names.pick(SCALARS) for _ in range(rng.choice([1, 2]))]
       chain = arith(rng, args, 1 if len(args) == 2 else rng.choice([1, 2]), hard=d >= 2)
       doc, body = arith_doc(chain, words=d == 2), [f"return {expr_text(chain)}"]
-    if varied({mod: function_src(fn, args, doc, body)}, call_steps(fn, args), body[0]):
+    if varied({mod: function_src(fn, args, doc, body)}, call_steps(fn, args), body[0],
+              unlike=trivial({mod: function_src(fn, args, doc, TODO)})):
       break
     names.used = used
   b, a, other = _function_module(rng, names, d, function_src(fn, args, doc, TODO),
@@ -519,8 +526,7 @@ def two_file(rng: random.Random, d: int) -> Instance:
   uses = [s for s in flat(differing(before, after, lambda g: patch + call_steps(f"{mod}.{fn}", [arg])(g),
                                     rng, 2, also=consts)) if s[0] == "check"]
   used_vals = run_steps(after, patch + uses)
-  kept = {i for other in consts for i, (w, s) in
-          enumerate(zip(used_vals, run_steps(other, patch + uses))) if type(w) is type(s) and w == s}
+  kept = shared(used_vals, patch + uses, consts)
   uses_test = "\n".join([
       f"def test_{fn}_uses_{new.lower()}():",
       f"    old = {cmod}.{new}",
