@@ -68,7 +68,7 @@ def _constant_attack(tmp_path, monkeypatch, patched: bool) -> tuple[int, int, in
   eight seeds of each family that starts from such a body."""
   if patched:  # as before: no constant among the shortcuts, and references that take few values
     monkeypatch.setattr(templates, "returning", lambda before, fn, values: [])
-    monkeypatch.setattr(templates, "varied", lambda *a: True)
+    monkeypatch.setattr(templates, "varied", lambda *a, **k: True)
   sums = [0, 0, 0]
   for name, d in [("implement", 2), ("implement", 3), ("two_file", 1), ("two_file", 2)]:
     for seed in range(8):
@@ -140,7 +140,7 @@ def test_no_reference_takes_fewer_than_three_values(monkeypatch):
                (TEMPLATES["implement"].make(random.Random(f"few/{level}/{s}"), level)
                 for s in range(60)))
   assert fewest(2) >= 3 and fewest(3) >= 3
-  monkeypatch.setattr(templates, "varied", lambda *a: True)  # as before
+  monkeypatch.setattr(templates, "varied", lambda *a, **k: True)  # as before
   assert min(fewest(2), fewest(3)) < 3
 
 
