@@ -133,6 +133,9 @@ class DataConfig:
   # Share of SFT chats that are spec drills (data/drills.py: the expert's edits for fresh training-split
   # synthetic instances at difficulty 2-3, no test run). 0 = none.
   sft_spec_share: float = 0.0
+  # The synthetic difficulty levels the spec drills are drawn at (each template's levels among these
+  # in turn).
+  sft_spec_levels: list = field(default_factory=lambda: [2, 3])
   # Share of SFT chats that are word drills (data/drills.py: one function whose docstring states an
   # operator chain or a comparison in words, implemented or fixed in one edit). 0 = none.
   sft_word_share: float = 0.0

@@ -76,6 +76,10 @@ def validate(cfg: Config) -> None:
            f"data.sft_spec_share={d.sft_spec_share} and data.sft_word_share={d.sft_word_share} must "
            f"be >= 0 and, with data.sft_copy_share={d.sft_copy_share}, sum below 1 (the shares of SFT "
            "chats that are drills)")
+  _require(isinstance(d.sft_spec_levels, list) and d.sft_spec_levels
+           and all(lv in (1, 2, 3) and not isinstance(lv, bool) for lv in d.sft_spec_levels),
+           f"data.sft_spec_levels={d.sft_spec_levels} must be a non-empty list of the synthetic "
+           "difficulty levels 1, 2, 3 (e.g. [2, 3])")
   _require(d.tokenizer_train_mb > 0, "data.tokenizer_train_mb must be positive (e.g. 8)")
   _require(len(d.sources) >= 1, "data.sources is empty: give at least one source, e.g. [stdlib]")
   _require(all(isinstance(w, (int, float)) and not isinstance(w, bool) and w >= 0 for w in d.weights)

@@ -47,10 +47,11 @@ def encode_chat(messages: list[dict], tokenizer) -> dict:
 
 
 def with_drills(trajs: list[list[dict]], share: float, texts: list[str], seed: int = 0,
-                spec_share: float = 0.0, word_share: float = 0.0) -> list[list[dict]]:
+                spec_share: float = 0.0, word_share: float = 0.0,
+                spec_levels: tuple = (2, 3)) -> list[list[dict]]:
   """``trajs`` plus generated drills (``data/drills.py``): edit drills from ``texts`` as ``share`` of
-  the chats, spec drills as ``spec_share`` and word drills (names from ``texts``) as ``word_share``;
-  they take the trajectories' system message, so all open alike."""
+  the chats, spec drills (at ``spec_levels``) as ``spec_share`` and word drills (names from
+  ``texts``) as ``word_share``; they take the trajectories' system message, so all open alike."""
   rest = 1.0 - share - spec_share - word_share
   n, n_spec, n_word = (round(len(trajs) * s / rest) for s in (share, spec_share, word_share))
   if n + n_spec + n_word == 0:
@@ -59,5 +60,5 @@ def with_drills(trajs: list[list[dict]], share: float, texts: list[str], seed: i
   first = trajs[0][0]
   system = first.get("content") if first.get("role") == "system" else None
   return (trajs + (edit_drills(texts, n, seed, system) if n else [])
-          + (spec_drills(n_spec, seed, system) if n_spec else [])
+          + (spec_drills(n_spec, seed, system, spec_levels) if n_spec else [])
           + (word_drills(texts, n_word, seed, system) if n_word else []))

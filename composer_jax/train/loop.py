@@ -126,7 +126,7 @@ def build_data(cfg: Config, out_dir: str, stage: str, init_dir: str | None = Non
   if stage == "sft":
     from composer_jax.data.sft import encode_chat, read_trajectories, with_drills
     trajs = with_drills(read_trajectories(d.sft_path), d.sft_copy_share, corpus.train[0], d.seed,
-                        d.sft_spec_share, d.sft_word_share)
+                        d.sft_spec_share, d.sft_word_share, spec_levels=tuple(d.sft_spec_levels))
     train = pipeline.records_dataset(trajs, lambda m: encode_chat(m, tok), seq_len=d.seq_len,
                                      batch_size=d.batch_size, seed=d.seed, process_index=pi,
                                      process_count=pc)

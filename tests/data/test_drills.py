@@ -102,6 +102,25 @@ def test_spec_drills_solve_fresh_training_instances_with_the_experts_calls(tmp_p
     assert {rel: (ws / rel).read_text() for rel in inst.gold} == inst.gold
 
 
+def test_spec_levels_reach_the_drills(texts, drills):
+  """data.sft_spec_levels picks the spec drills' difficulty levels (two_file d1 among them when 1
+  is given); a level outside 1-3 is one line naming the field."""
+  from composer_jax.config import ConfigError, load_config, validate
+  from composer_jax.env.synthetic import instances
+  trajs = [drills[0]] * 8
+  mixed = with_drills(trajs, 0.0, texts, seed=3, spec_share=0.5, spec_levels=(1,))
+  prompts = [m[1]["content"] for m in mixed[8:]]
+  insts = instances(8, seed=7_000_006, split="train", levels=[1])  # the drills' own draw
+  assert len(prompts) == 8 and prompts == [i.prompt for i in insts]
+  assert {i.difficulty for i in insts} == {1} and "two_file" in {i.template for i in insts}
+  default = with_drills(trajs, 0.0, texts, seed=3, spec_share=0.5)
+  assert [m[1]["content"] for m in default[8:]] == [
+    i.prompt for i in instances(8, seed=7_000_006, split="train", levels=[2, 3])]
+  for bad in ("[4]", "[]", "[true]"):
+    with pytest.raises(ConfigError, match=r"data.sft_spec_levels=.* levels 1, 2, 3"):
+      validate(load_config(None, [f"data.sft_spec_levels={bad}"]))
+
+
 def test_with_drills_mixes_both_kinds_at_their_shares(texts, drills):
   trajs = [drills[0]] * 30
   mixed = with_drills(trajs, 0.25, texts, spec_share=0.25)
