@@ -131,7 +131,7 @@ class DataConfig:
   # line and a requested line into calls); the rest are data.sft_path's. 0 = none.
   sft_copy_share: float = 0.0
   # Share of SFT chats that are spec drills (data/drills.py: the expert's edits for fresh training-split
-  # synthetic instances at difficulty 2-3, no test run). 0 = none.
+  # synthetic instances at data.sft_spec_levels, no test run). 0 = none.
   sft_spec_share: float = 0.0
   # The synthetic difficulty levels the spec drills are drawn at (each template's levels among these
   # in turn).
